@@ -1,0 +1,46 @@
+"""fastpar: fast data-parallel PyTorch training, with its own measurements.
+
+Heavy parts load on first use, so ``import fastpar`` is cheap and never fails because of the
+compiled extension or an optional dependency.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ._ext import ext_status
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DDP",
+    "DistributedDataParallel",
+    "Trainer",
+    "TrainingOptions",
+    "__version__",
+    "ext_status",
+    "ops",
+]
+
+# public name -> (module, attribute), imported when first touched (PEP 562)
+_LAZY = {
+    "DistributedDataParallel": ("fastpar.ddp", "DistributedDataParallel"),
+    "DDP": ("fastpar.ddp", "DistributedDataParallel"),
+    "Trainer": ("fastpar.train", "Trainer"),
+    "TrainingOptions": ("fastpar.train", "TrainingOptions"),
+    "ops": ("fastpar.ops", None),
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'fastpar' has no attribute {name!r}")
+    module_name, attr = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
