@@ -1,0 +1,26 @@
+"""Topology inspection and topology-aware GPU selection (``fastpar topo``).
+
+``discover()`` reads this machine (NVML for GPUs, /sys for CPUs, NUMA and NICs; never CUDA);
+``Topology.from_nvidia_smi(text)`` reads saved ``nvidia-smi topo -m`` output;
+``select_devices(k)`` picks the k GPUs with the best modelled collective bandwidth.
+"""
+
+from __future__ import annotations
+
+from .discover import discover
+from .env import build_env
+from .model import GPU, NIC, Link, NumaNode, Topology
+from .select import Selection, link_gbps, select_devices
+
+__all__ = [
+    "GPU",
+    "NIC",
+    "Link",
+    "NumaNode",
+    "Selection",
+    "Topology",
+    "build_env",
+    "discover",
+    "link_gbps",
+    "select_devices",
+]
