@@ -1,0 +1,33 @@
+"""Input pipelines for data-parallel training.
+
+``image_loader`` reads a folder of class subfolders through DALI (GPU decoding with a GPU, CPU
+threads without) or a torch DataLoader fallback; ``array_loader`` and ``iterable_loader`` batch data
+already in Python. All of them share one epoch plan (``fastpar.data.sharding``): equal batch counts on
+every rank, ``set_epoch`` reshuffles, ``state_dict``/``load_state_dict`` resume exactly.
+"""
+
+from __future__ import annotations
+
+from .arrays import ArrayLoader, SequenceLoader, StreamLoader, array_loader, iterable_loader
+from .folder import ImageFolder, scan_image_folder
+from .loader import ImageLoader, image_loader
+from .sharding import ShardSpec, num_batches, rank_batches
+from .synthetic import make_image_folder
+from .transforms import CorruptImageError
+
+__all__ = [
+    "ArrayLoader",
+    "CorruptImageError",
+    "ImageFolder",
+    "ImageLoader",
+    "SequenceLoader",
+    "ShardSpec",
+    "StreamLoader",
+    "array_loader",
+    "image_loader",
+    "iterable_loader",
+    "make_image_folder",
+    "num_batches",
+    "rank_batches",
+    "scan_image_folder",
+]

@@ -1,0 +1,247 @@
+"""The DALI backend: decode and augment in a DALI pipeline fed with file bytes by the epoch plan.
+
+Graph (both the wrapped loader and :func:`bare_pipeline` build it with :func:`augment`):
+train: ``decoders.image_random_crop`` (decodes only the crop where it can) -> ``resize`` to size x size
+-> ``crop_mirror_normalize`` (random flip, CHW float); eval: ``decoders.image`` -> ``resize`` shorter
+side to size/0.875 -> ``crop_mirror_normalize`` (centre crop). With a GPU the decoder runs with
+``device="mixed"`` (nvJPEG) and everything after it on the rank's GPU; without one, on CPU threads
+(``device_id=None``).
+
+The wrapper feeds ``fn.external_source`` one planned batch at a time (file bytes only; labels never
+enter DALI, they come from the plan), so DALI and the torch backend share the exact order and sharding.
+
+Determinism: the order is exact for a (seed, epoch). The pipeline is rebuilt at every epoch start
+with a seed derived from (seed, epoch, rank, first batch), so an epoch iterated from its start repeats
+its crops and flips exactly; an epoch resumed mid-way gets the same samples in the same batches but
+different (still seeded) crops and flips than the uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .._optional import require
+from .transforms import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, RRC_RATIO, RRC_SCALE, CorruptImageError
+
+
+def _dali():
+    return require("nvidia.dali", purpose="backend='dali'")
+
+
+def augment(encoded, *, train: bool, size: int, decoder_device: str, mean: Sequence[float], std: Sequence[float]):
+    """The decode + augment graph on a DataNode of encoded images; returns (B, 3, size, size) float."""
+    _dali()
+    from nvidia.dali import fn, types
+
+    if train:
+        images = fn.decoders.image_random_crop(
+            encoded,
+            device=decoder_device,
+            output_type=types.RGB,
+            random_area=list(RRC_SCALE),
+            random_aspect_ratio=list(RRC_RATIO),
+            num_attempts=10,
+        )
+        images = fn.resize(images, resize_x=size, resize_y=size, antialias=False)
+        mirror = fn.random.coin_flip(probability=0.5)
+    else:
+        images = fn.decoders.image(encoded, device=decoder_device, output_type=types.RGB)
+        images = fn.resize(images, resize_shorter=size / EVAL_CROP_FRACTION, antialias=False)
+        mirror = 0
+    return fn.crop_mirror_normalize(
+        images,
+        dtype=types.FLOAT,
+        output_layout="CHW",
+        crop=(size, size),
+        mean=[255.0 * m for m in mean],
+        std=[255.0 * s for s in std],
+        mirror=mirror,
+    )
+
+
+def bare_pipeline(
+    files: Sequence[str],
+    labels: Sequence[int],
+    batch_size: int,
+    num_threads: int,
+    *,
+    train: bool = True,
+    size: int = 224,
+    device_id: int | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+    mean: Sequence[float] = IMAGENET_MEAN,
+    std: Sequence[float] = IMAGENET_STD,
+    prefetch_queue_depth: int = 2,
+):
+    """A built DALI pipeline with the loader's operators and no fastpar wrapping: ``fn.readers.file``
+    -> :func:`augment`. ``pipe.run()`` returns DALI (images, labels) batches of ``batch_size``
+    (wrapping around at the end). The floor that ``fastpar bench data`` compares the loader with."""
+    _dali()
+    from nvidia.dali import fn, pipeline_def
+
+    @pipeline_def
+    def graph():
+        encoded, label = fn.readers.file(files=list(files), labels=list(labels), random_shuffle=shuffle, name="files")
+        decoder_device = "cpu" if device_id is None else "mixed"
+        images = augment(encoded, train=train, size=size, decoder_device=decoder_device, mean=mean, std=std)
+        return images, label
+
+    pipe = graph(
+        batch_size=batch_size,
+        num_threads=num_threads,
+        device_id=device_id,
+        seed=seed,
+        prefetch_queue_depth=prefetch_queue_depth,
+    )
+    pipe.build()
+    return pipe
+
+
+def _read_bytes(paths: Sequence[str]) -> list[np.ndarray]:
+    return [np.fromfile(path, dtype=np.uint8) for path in paths]
+
+
+def _pipeline_seed(seed: int, epoch: int, rank: int, first_batch: int) -> int:
+    mix = np.random.SeedSequence([seed & 0xFFFFFFFF, epoch & 0xFFFFFFFF, rank, first_batch, 0xDA11])
+    return int(mix.generate_state(1)[0] & 0x7FFFFFFF)
+
+
+class DaliImageBackend:
+    """Runs the planned batches through a DALI pipeline built for each pass over the plan."""
+
+    name = "dali"
+
+    def __init__(
+        self,
+        files: Sequence[str],
+        labels: Sequence[int],
+        *,
+        batch_size: int,
+        size: int,
+        train: bool,
+        seed: int,
+        rank: int,
+        num_threads: int,
+        device: torch.device,
+        mean: Sequence[float],
+        std: Sequence[float],
+        skip_corrupt: bool,
+        prefetch_queue_depth: int = 2,
+    ):
+        _dali()
+        self.files, self.labels = list(files), np.asarray(labels, dtype=np.int64)
+        self.batch_size, self.size, self.train, self.seed, self.rank = batch_size, size, train, seed, rank
+        self.num_threads, self.device, self.mean, self.std = num_threads, device, tuple(mean), tuple(std)
+        self.skip_corrupt, self.prefetch_queue_depth = skip_corrupt, prefetch_queue_depth
+        self.corrupt: set[int] = set()  # sample indices found undecodable, excluded from later batches
+        # GPU decoding (nvJPEG) on the rank's GPU; CPU threads only when the loader outputs to CPU
+        self.device_id = None if device.type != "cuda" else (device.index or 0)
+
+    def _build(self, batches: list[np.ndarray], seed: int):
+        from nvidia.dali import fn, pipeline_def, types
+
+        chunks = iter([[self.files[i] for i in indices] for indices in batches])
+
+        def next_batch() -> list[np.ndarray]:
+            return _read_bytes(next(chunks))  # StopIteration ends DALI's prefetching, which runs ahead
+
+        @pipeline_def
+        def graph():
+            encoded = fn.external_source(source=next_batch, batch=True, dtype=types.UINT8, ndim=1, no_copy=True)
+            decoder_device = "cpu" if self.device_id is None else "mixed"
+            return augment(
+                encoded, train=self.train, size=self.size, decoder_device=decoder_device, mean=self.mean, std=self.std
+            )
+
+        pipe = graph(
+            batch_size=self.batch_size,
+            num_threads=self.num_threads,
+            device_id=self.device_id,
+            seed=seed,
+            prefetch_queue_depth=self.prefetch_queue_depth,
+            exec_dynamic=True,  # outputs own their memory: handed to torch without a copy
+        )
+        pipe.build()
+        return pipe
+
+    def _to_torch(self, dali_batch) -> torch.Tensor:
+        # Zero-copy: with the dynamic executor each output owns its buffer until the last reference to
+        # it (this tensor) dies, so DALI never overwrites a batch the caller still holds. torch passes
+        # its current stream, and DALI makes it wait for the GPU work that produced the batch.
+        return torch.from_dlpack(dali_batch.as_tensor())
+
+    def iterate(
+        self, epoch: int, batches: list[tuple[np.ndarray, np.ndarray]], on_corrupt: Callable[[list[str]], None]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield (images, labels) for ``batches`` in order; corrupt files go to ``on_corrupt(paths)``."""
+        done = 0
+        while done < len(batches):
+            try:
+                yield from self._run(epoch, batches, done)
+                return
+            except _DecodeFailure as failure:
+                done = failure.batch
+                bad = self._find_corrupt(batches[done:], failure)
+                if not self.skip_corrupt:
+                    raise self._corrupt_error(bad, failure.cause) from failure.cause
+                self.corrupt.update(bad)
+                on_corrupt([self.files[i] for i in sorted(bad)])
+
+    def _run(self, epoch: int, batches: list[tuple[np.ndarray, np.ndarray]], start: int):
+        kept = [indices[~np.isin(indices, list(self.corrupt))] if self.corrupt else indices for indices, _ in batches]
+        pending = [k for k in range(start, len(batches)) if len(kept[k])]
+        pipe = self._build([kept[k] for k in pending], _pipeline_seed(self.seed, epoch, self.rank, start))
+        try:
+            for k in range(start, len(batches)):
+                labels = torch.from_numpy(self.labels[kept[k]]).to(self.device, non_blocking=True)
+                if not len(kept[k]):  # every file of this batch was corrupt: keep the batch count equal
+                    yield torch.empty((0, 3, self.size, self.size), device=self.device), labels
+                    continue
+                try:
+                    (images,) = pipe.run()
+                except Exception as exc:  # DALI raises RuntimeError for undecodable data
+                    raise _DecodeFailure(k, exc) from exc
+                yield self._to_torch(images), labels
+        finally:
+            del pipe
+
+    def _find_corrupt(self, batches: list[tuple[np.ndarray, np.ndarray]], failure: _DecodeFailure) -> set[int]:
+        """The undecodable samples among the failed batch and those DALI had prefetched after it."""
+        image_module = require("PIL.Image", extra="dev", purpose="locating a corrupt image")
+        bad = set()
+        for indices, _ in batches[: self.prefetch_queue_depth + 1]:
+            for index in indices.tolist():
+                if index in self.corrupt:
+                    continue
+                try:
+                    with image_module.open(self.files[index]) as img:
+                        img.load()
+                except Exception:
+                    bad.add(index)
+        if not bad:  # DALI failed on files PIL reads: do not retry forever, report the whole batch
+            raise self._corrupt_error(set(batches[0][0].tolist()), failure.cause, located=False) from failure.cause
+        return bad
+
+    def _corrupt_error(self, indices: set[int], cause: BaseException, located: bool = True) -> CorruptImageError:
+        paths = ", ".join(self.files[i] for i in sorted(indices))
+        if located:
+            return CorruptImageError(
+                f"cannot decode image(s) {paths} (DALI: {str(cause).splitlines()[0]}). Remove or replace them, "
+                "or pass on_corrupt='skip' to skip undecodable images"
+            )
+        return CorruptImageError(f"DALI failed on a batch of these files: {paths}: {cause}")
+
+    def describe(self) -> str:
+        return f"dali ({'mixed, GPU ' + str(self.device_id) if self.device_id is not None else 'cpu'})"
+
+
+class _DecodeFailure(Exception):
+    """DALI failed while producing planned batch ``batch`` (0-based within the epoch)."""
+
+    def __init__(self, batch: int, cause: BaseException):
+        super().__init__(str(cause))
+        self.batch, self.cause = batch, cause

@@ -1,0 +1,88 @@
+"""Scanning an image-classification folder: ``root/<class>/<image>``, classes in sorted order."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+# Files that sit in data sets without being samples: ignored rather than reported as unsupported.
+_IGNORED_NAMES = {".DS_Store", "Thumbs.db", "desktop.ini"}
+
+
+@dataclass(frozen=True)
+class ImageFolder:
+    """The files of one image folder with their labels (``labels[i]`` belongs to ``files[i]``)."""
+
+    root: Path
+    classes: list[str]
+    files: list[str] = field(repr=False)
+    labels: list[int] = field(repr=False)
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.classes)}
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+
+def _listing(paths: list[Path], limit: int = 5) -> str:
+    shown = ", ".join(str(p) for p in paths[:limit])
+    more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+    return shown + more
+
+
+def scan_image_folder(root: str | Path, *, strict: bool = True) -> ImageFolder:
+    """Find ``root/<class>/*.{jpg,jpeg,png}`` (case-insensitive suffixes; nested folders included).
+
+    Label k is the k-th class folder in sorted order. Raises a ValueError naming the problem for a
+    missing root, a root without class folders, or no images at all. Files with other suffixes raise
+    with ``strict=True`` (listing them) and are skipped with one warning otherwise.
+    """
+    root = Path(root).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"image folder {root} does not exist")
+    if not root.is_dir():
+        raise NotADirectoryError(f"image folder {root} is a file; pass the folder that holds one folder per class")
+    class_dirs = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name)
+    if not class_dirs:
+        loose = [p for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
+        hint = (
+            f" It holds {len(loose)} image file(s) directly; move them into one subfolder per class."
+            if loose
+            else " It is empty."
+        )
+        raise ValueError(f"image folder {root} has no class subfolders (expected root/<class>/<image>).{hint}")
+    files: list[str] = []
+    labels: list[int] = []
+    unsupported: list[Path] = []
+    for label, class_dir in enumerate(class_dirs):
+        for path in sorted(p for p in class_dir.rglob("*") if p.is_file()):
+            if path.suffix.lower() in IMAGE_SUFFIXES:
+                files.append(str(path))
+                labels.append(label)
+            elif path.name not in _IGNORED_NAMES and not path.name.startswith("."):
+                unsupported.append(path)
+    if unsupported:
+        message = f"{len(unsupported)} file(s) under {root} are not {'/'.join(IMAGE_SUFFIXES)} images: {_listing(unsupported)}"
+        if strict:
+            raise ValueError(message + ". Remove or convert them, or pass strict=False to skip them.")
+        warnings.warn(message + "; skipping them.", stacklevel=2)
+    if not files:
+        raise ValueError(
+            f"image folder {root} has {len(class_dirs)} class folder(s) ({_listing(class_dirs, 3)}) but no "
+            f"{'/'.join(IMAGE_SUFFIXES)} images in them"
+        )
+    empty = [d for d, n in zip(class_dirs, _counts(labels, len(class_dirs)), strict=True) if n == 0]
+    if empty:
+        warnings.warn(f"{len(empty)} class folder(s) hold no images: {_listing(empty)}", stacklevel=2)
+    return ImageFolder(root=root, classes=[d.name for d in class_dirs], files=files, labels=labels)
+
+
+def _counts(labels: list[int], classes: int) -> list[int]:
+    counts = [0] * classes
+    for label in labels:
+        counts[label] += 1
+    return counts

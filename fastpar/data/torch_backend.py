@@ -1,0 +1,86 @@
+"""The DataLoader backend: PIL decoding in worker processes, batches from the shared epoch plan.
+
+Each sampler item is a whole planned batch, so workers decode a batch and ship one uint8 tensor
+(4x less inter-process traffic than float); the main process normalises it, on the GPU when the
+loader's device is one. Augmentation draws from a per-sample RNG seeded from (seed, epoch, position):
+the same epoch gives the same crops and flips, and a resumed epoch matches the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .sharding import sample_seeds
+from .transforms import CorruptImageError, load_transformed, normalize_batch
+
+
+class _BatchDecoder(torch.utils.data.Dataset):
+    """Dataset whose items are planned batches: (epoch, sample indices, positions) -> decoded batch."""
+
+    def __init__(self, files: Sequence[str], labels: np.ndarray, size: int, train: bool, seed: int, skip: bool):
+        self.files, self.labels, self.size, self.train, self.seed, self.skip = files, labels, size, train, seed, skip
+
+    def __getitem__(self, item: tuple[int, np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+        epoch, indices, positions = item
+        seeds = sample_seeds(self.seed, epoch, positions)
+        pixels, kept, corrupt = [], [], []
+        for index, seed in zip(indices.tolist(), seeds.tolist(), strict=True):
+            try:
+                pixels.append(load_transformed(self.files[index], self.size, self.train, seed))
+                kept.append(index)
+            except CorruptImageError:
+                if not self.skip:
+                    raise  # the DataLoader re-raises it in the main process, path in the message
+                corrupt.append(self.files[index])
+        if pixels:
+            images = torch.from_numpy(np.stack(pixels))  # (B, H, W, 3) uint8
+        else:
+            images = torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
+        return images, torch.from_numpy(self.labels[kept]), corrupt
+
+    def __len__(self) -> int:  # not used for sampling (the sampler is the plan); keeps DataLoader happy
+        return len(self.files)
+
+
+class TorchImageBackend:
+    """Decodes planned batches with a torch DataLoader over PIL; ``num_workers=0`` decodes in-process."""
+
+    name = "torch"
+
+    def __init__(
+        self,
+        files: Sequence[str],
+        labels: Sequence[int],
+        *,
+        size: int,
+        train: bool,
+        seed: int,
+        num_workers: int,
+        device: torch.device,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+        skip_corrupt: bool,
+    ):
+        self.decoder = _BatchDecoder(list(files), np.asarray(labels, dtype=np.int64), size, train, seed, skip_corrupt)
+        self.num_workers, self.device, self.mean, self.std = num_workers, device, mean, std
+
+    def iterate(
+        self, epoch: int, batches: list[tuple[np.ndarray, np.ndarray]], on_corrupt: Callable[[list[str]], None]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Yield (images, labels) for ``batches`` in order; corrupt files go to ``on_corrupt(paths)``."""
+        items = [(epoch, indices, positions) for indices, positions in batches]
+        loader = torch.utils.data.DataLoader(
+            self.decoder,
+            batch_size=None,  # items are batches already: no collation
+            sampler=items,
+            num_workers=self.num_workers,
+            pin_memory=self.device.type == "cuda",
+            prefetch_factor=2 if self.num_workers else None,
+        )
+        for images, labels, corrupt in loader:
+            if corrupt:
+                on_corrupt(corrupt)
+            yield normalize_batch(images, self.mean, self.std, self.device), labels.to(self.device, non_blocking=True)
