@@ -1,0 +1,138 @@
+"""Checkpoints: written atomically by rank 0, the last K kept, resumed from the newest valid one.
+
+A checkpoint is a plain dict of tensors and Python scalars (model, optimizer, scheduler, every rank's
+RNG states and data position), so it loads with ``torch.load(weights_only=True)``. Writing goes to a
+temporary file that is fsync'ed and renamed over the final name: a crash leaves either the old set or
+the new file, never a half-written ``ckpt-*.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+REQUIRED_KEYS = ("format", "step", "epoch", "model", "optimizer", "ranks")
+FORMAT = 1
+
+
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"ckpt-{step:09d}.pt"
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """Checkpoint files in ``directory``, oldest step first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_atomic(state: dict[str, Any], path: Path) -> Path:
+    """Write ``state`` to ``path`` so that ``path`` is either absent or complete, even after a crash."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)  # make the rename itself durable
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def prune(directory: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and temp files crashed writers left behind."""
+    for old in list_checkpoints(directory)[:-keep]:
+        old.unlink(missing_ok=True)
+
+
+def remove_stale_temp_files(directory: str | Path) -> None:
+    for tmp in Path(directory).glob(".ckpt-*.pt.tmp-*"):
+        tmp.unlink(missing_ok=True)
+
+
+def load_newest_valid(directory: str | Path, report=print) -> tuple[dict[str, Any] | None, Path | None]:
+    """The newest checkpoint that loads and has every required key; unreadable ones are reported and skipped."""
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            missing = [k for k in REQUIRED_KEYS if k not in state]
+            if missing:
+                raise ValueError(f"missing keys {missing}")
+            if state["format"] != FORMAT:
+                raise ValueError(f"format {state['format']} (this fastpar reads format {FORMAT})")
+        except Exception as exc:  # truncated zip, bad pickle, wrong content: skip to an older one
+            report(f"fastpar: skipping checkpoint {path}: it is unreadable or incomplete ({type(exc).__name__}: {exc})")
+            continue
+        return state, path
+    return None, None
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generator states, as weights_only-loadable values."""
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def check_writable(directory: str | Path, what: str) -> Path:
+    """Create ``directory`` and prove a file can be written there; raise PermissionError saying which option."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".fastpar-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise PermissionError(
+            f"TrainingOptions.{what}={str(directory)!r} is not a writable folder ({exc.strerror or exc}); "
+            "choose a folder this user can write to"
+        ) from exc
+    return directory
+
+
+__all__ = [
+    "check_writable",
+    "checkpoint_path",
+    "list_checkpoints",
+    "load_newest_valid",
+    "prune",
+    "remove_stale_temp_files",
+    "rng_state",
+    "save_atomic",
+    "set_rng_state",
+]

@@ -1,0 +1,120 @@
+"""Resolve ``execution_environment`` into a plan: how many processes, on which devices, which backend.
+
+Everything here runs in the launching process before any worker starts, so an environment that can't
+be had is a clear error at once, not a crash in a worker. GPUs are counted through NVML
+(``PYTORCH_NVML_BASED_CUDA_CHECK``) so the launcher never initialises CUDA itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+# Variables torchrun (torch.distributed.run) sets in every worker it starts.
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_MAX_DEFAULT_CPU_PROCESSES = 4
+
+
+class ExecutionEnvironmentError(RuntimeError):
+    """The requested execution environment can't be had on this machine; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    kind: str  # cpu | gpu | multi-gpu | cluster
+    nprocs: int  # processes this launcher starts on this machine (0: already running under torchrun)
+    backend: str | None  # process-group backend; None for a single process
+    device_type: str  # cpu | cuda
+    device_ids: tuple[int, ...] = ()  # CUDA device of each local rank
+    threads_per_process: int = 1
+
+    @property
+    def under_torchrun(self) -> bool:
+        return self.nprocs == 0
+
+
+def gpu_count() -> int:
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def running_under_torchrun() -> bool:
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def default_cpu_processes() -> int:
+    """A sensible share of the cores: up to 4 processes, each with cores/processes threads."""
+    return max(1, min(_MAX_DEFAULT_CPU_PROCESSES, os.cpu_count() or 1))
+
+
+def _cpu_plan(devices: int | None, threads: int | None) -> Plan:
+    nprocs = devices or default_cpu_processes()
+    threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+    return Plan("cpu", nprocs, "gloo" if nprocs > 1 else None, "cpu", (), threads)
+
+
+def _gpu_ids(kind: str, devices: int | None, available: int) -> tuple[int, ...]:
+    if available == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        raise ExecutionEnvironmentError(
+            f"execution_environment={kind!r} needs a CUDA GPU, but torch sees none "
+            f"(torch {torch.__version__}, CUDA build {torch.version.cuda}, CUDA_VISIBLE_DEVICES={visible}). "
+            "Use execution_environment='cpu' or 'auto', or install a CUDA build of torch."
+        )
+    if kind == "gpu":
+        if devices not in (None, 1):
+            raise ExecutionEnvironmentError(
+                f"execution_environment='gpu' trains on one GPU, got devices={devices}; "
+                "use execution_environment='multi-gpu' for several"
+            )
+        return (0,)
+    if devices is None:
+        return tuple(range(available))
+    if devices > available:
+        raise ExecutionEnvironmentError(
+            f"execution_environment='multi-gpu' with devices={devices}, but only {available} GPU(s) are visible; "
+            f"use devices<={available} or leave devices=None for all of them"
+        )
+    if devices == available:
+        return tuple(range(available))
+    from ..topology import select_devices  # the best-connected k GPUs (NVLink first)
+
+    return tuple(int(i) for i in select_devices(devices))
+
+
+def _cluster_plan(threads: int | None) -> Plan:
+    missing = [name for name in TORCHRUN_VARS if name not in os.environ]
+    if missing:
+        raise ExecutionEnvironmentError(
+            "execution_environment='cluster' runs inside workers started by torchrun, but these variables are "
+            f"missing: {', '.join(missing)}. Start the script with e.g. "
+            "`torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py` "
+            "on every node, or use execution_environment='auto' on one machine."
+        )
+    cuda = gpu_count() > 0
+    threads = threads or max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"]))
+    return Plan("cluster", 0, "nccl" if cuda else "gloo", "cuda" if cuda else "cpu", (), threads)
+
+
+def resolve(kind: str, devices: int | None = None, threads: int | None = None) -> Plan:
+    """The plan for ``execution_environment=kind``; raises ExecutionEnvironmentError when it can't be had here."""
+    if kind == "cluster":
+        return _cluster_plan(threads)
+    if running_under_torchrun():
+        # Started by torchrun (e.g. `torchrun --nproc-per-node=4 train.py`): join its group instead of launching.
+        plan = _cluster_plan(threads)
+        if kind == "cpu":
+            return dataclasses.replace(plan, backend="gloo", device_type="cpu")
+        return plan
+    available = gpu_count()
+    if kind == "auto":
+        kind = "multi-gpu" if available > 1 else "gpu" if available == 1 else "cpu"
+        if kind != "cpu" and devices is not None and devices > available:
+            raise ExecutionEnvironmentError(f"devices={devices}, but only {available} GPU(s) are visible")
+    if kind == "cpu":
+        return _cpu_plan(devices, threads)
+    ids = _gpu_ids(kind, devices, available)
+    backend = "nccl" if len(ids) > 1 else None
+    return Plan(kind, len(ids), backend, "cuda", ids, threads or max(1, (os.cpu_count() or 1) // len(ids)))

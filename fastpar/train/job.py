@@ -1,0 +1,137 @@
+"""What travels to every worker (``Job``) and how each worker rebuilds model, optimizer and DDP from it.
+
+Workers are fresh processes (spawned by torch's elastic launcher), so everything in a ``Job`` is
+pickled: models, factories, loss functions and output functions must be importable — defined at module
+level, not lambdas or local functions — and the script's entry guarded by ``if __name__ == "__main__":``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .environment import Plan
+from .options import TrainingOptions
+
+
+@dataclasses.dataclass
+class OptimizerSpec:
+    """An optimizer given as an instance, re-created on each worker's copy of the model.
+
+    Parameter groups are kept by the positions of their parameters in ``model.parameters()``.
+    """
+
+    cls: type
+    groups: list[dict[str, Any]]  # hyperparameters, with "params" as positions into model.parameters()
+    state: dict[str, Any]
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> OptimizerSpec:
+        position = {id(p): i for i, p in enumerate(model.parameters())}
+        groups = []
+        for group in optimizer.param_groups:
+            missing = [p for p in group["params"] if id(p) not in position]
+            if missing:
+                raise ValueError(
+                    "the optimizer holds parameters that are not the model's; build it from model.parameters() "
+                    "or pass a module-level factory taking the parameters"
+                )
+            groups.append({**{k: v for k, v in group.items() if k != "params"},
+                           "params": [position[id(p)] for p in group["params"]]})  # fmt: skip
+        return cls(type(optimizer), groups, optimizer.state_dict())
+
+    def build(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        params = list(model.parameters())
+        groups = [{**g, "params": [params[i] for i in g["params"]]} for g in self.groups]
+        optimizer = self.cls(groups)
+        optimizer.load_state_dict(self.state)
+        return optimizer
+
+
+@dataclasses.dataclass
+class Job:
+    model: torch.nn.Module | Callable[[], torch.nn.Module]
+    optimizer: OptimizerSpec | Callable[[Any], torch.optim.Optimizer]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    train_data: Any
+    options: TrainingOptions
+    plan: Plan
+    collective_timeout_s: float = 600.0
+
+
+def build_model(model: Any) -> torch.nn.Module:
+    if isinstance(model, torch.nn.Module):
+        return model
+    built = model()
+    if not isinstance(built, torch.nn.Module):
+        raise TypeError(f"the model factory returned {type(built).__name__}, not a torch.nn.Module")
+    return built
+
+
+def build_optimizer(optimizer: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if isinstance(optimizer, OptimizerSpec):
+        return optimizer.build(model)
+    built = optimizer(model.parameters())
+    if not isinstance(built, torch.optim.Optimizer):
+        raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch.optim.Optimizer")
+    return built
+
+
+def wrap_ddp(model: torch.nn.Module, options: TrainingOptions, plan: Plan, device: torch.device) -> torch.nn.Module:
+    """fastpar's or torch's DistributedDataParallel, as ``options.ddp`` asks."""
+    choice = options.ddp
+    if choice == "auto":
+        from .._ext import ext_status
+
+        choice = "fastpar" if ext_status()["backend"] != "torch" else "torch"
+    device_ids = [device.index] if device.type == "cuda" else None
+    if choice == "fastpar":
+        from ..ddp import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=device_ids, grad_dtype=options.grad_dtype)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    if options.grad_dtype in (torch.bfloat16, torch.float16):  # torch's way: a compression comm hook
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = (
+            default_hooks.bf16_compress_hook
+            if options.grad_dtype == torch.bfloat16
+            else default_hooks.fp16_compress_hook
+        )
+        ddp.register_comm_hook(None, hook)
+    return ddp
+
+
+def check_picklable(job: Job) -> None:
+    """Raise TypeError naming the argument that can't be sent to worker processes, and how to fix it."""
+    try:
+        pickle.dumps(job)
+        return
+    except Exception as exc:  # find the culprit for a useful message
+        error = exc
+    parts = {
+        "model": job.model,
+        "optimizer": job.optimizer,
+        "loss_fn": job.loss_fn,
+        "train_data": job.train_data,
+        "options.validation_data": job.options.validation_data,
+        "options.output_fns": list(job.options.output_fns),
+        "options.lr_scheduler": job.options.lr_scheduler,
+    }
+    culprit = "an argument"
+    for name, value in parts.items():
+        try:
+            pickle.dumps(value)
+        except Exception as exc:
+            culprit, error = name, exc
+            break
+    raise TypeError(
+        f"fastpar.Trainer: {culprit} can't be sent to the worker processes ({type(error).__name__}: {error}). "
+        "Workers are separate processes: define models, factories, loss and output functions at module level "
+        "of an importable module (no lambdas, local functions or classes defined inside functions), and guard "
+        "the script's entry with `if __name__ == '__main__':`."
+    ) from error

@@ -1,0 +1,109 @@
+"""``TrainingOptions``: every knob of ``fastpar.Trainer`` and its default, in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+ENVIRONMENTS = ("auto", "cpu", "gpu", "multi-gpu", "cluster")
+DDP_CHOICES = ("auto", "torch", "fastpar")
+PLOTS = (None, "none", "training-progress")
+
+
+@dataclasses.dataclass
+class TrainingOptions:
+    """Options of one training run (the counterpart of MATLAB's ``trainingOptions``).
+
+    Steps count optimizer steps; with ``grad_accum_steps=k`` one step consumes k batches per process.
+    Objects here travel to the worker processes, so callables (``output_fns``, ``lr_scheduler``) must be
+    picklable: functions or classes defined at module level of an importable module.
+    """
+
+    # what to run
+    max_epochs: int = 10
+    batch_size: int = 32  # samples per process per batch (global batch = batch_size * processes * grad_accum_steps)
+    seed: int = 0
+
+    # where to run
+    execution_environment: str = "auto"  # auto | cpu | gpu | multi-gpu | cluster
+    devices: int | None = None  # cpu: processes (default min(4, cores)); multi-gpu: best k GPUs (default all)
+    max_restarts: int = 0  # elastic restarts of the whole local group when a worker dies
+    threads_per_process: int | None = None  # torch threads per CPU process (default: cores / processes)
+
+    # gradient sync and the step
+    ddp: str = "auto"  # auto: fastpar's DDP when its extension is live, else torch's | torch | fastpar
+    grad_dtype: torch.dtype | None = None  # dtype gradients are all-reduced in (None: the parameters' dtype)
+    grad_accum_steps: int = 1
+    grad_clip_norm: float | None = None
+    mixed_precision: bool = False  # bf16 autocast where the device supports it
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = (
+        None  # factory(optimizer) -> scheduler, stepped per step
+    )
+
+    # data
+    validation_data: Any = None  # same kinds as train_data
+    validation_every: int = 0  # steps between validations; 0: at the end of every epoch
+    image_size: int | None = None  # side of the square crops images from a folder become (None: the loader's 224)
+    data_threads: int | None = (
+        None  # image decoding: DALI threads / DataLoader workers (None: 0 on CPU, loader default on GPU)
+    )
+
+    # watching it
+    log_every: int = 10  # steps between logged metrics, progress updates and output_fns calls
+    progress_bar: bool = True
+    plots: str | None = None  # "training-progress": a PNG of loss/accuracy, refreshed while training
+    output_fns: Sequence[Callable[[dict], Any]] = ()  # called on rank 0 with an info record; True stops training
+    output_dir: str = "fastpar-output"  # metrics.jsonl and the progress plot go here
+
+    # checkpoints
+    checkpoint_dir: str | None = None  # None: no checkpoints
+    checkpoint_every: int = 0  # steps between checkpoints; 0: at the end of every epoch
+    keep_checkpoints: int = 3
+    resume: bool = False  # continue from the newest valid checkpoint in checkpoint_dir
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option and the accepted values when an option is out of range."""
+
+        def positive(name: str, minimum: int = 1) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"TrainingOptions.{name} must be an integer >= {minimum}, got {value!r}")
+
+        for name in ("max_epochs", "batch_size", "grad_accum_steps", "log_every", "keep_checkpoints"):
+            positive(name)
+        for name in ("validation_every", "checkpoint_every", "max_restarts"):
+            positive(name, 0)
+        for name in ("devices", "threads_per_process", "image_size"):
+            if getattr(self, name) is not None:
+                positive(name)
+        if self.data_threads is not None:
+            positive("data_threads", 0)
+        if self.execution_environment not in ENVIRONMENTS:
+            raise ValueError(
+                f"TrainingOptions.execution_environment must be one of {ENVIRONMENTS}, got {self.execution_environment!r}"
+            )
+        if self.ddp not in DDP_CHOICES:
+            raise ValueError(f"TrainingOptions.ddp must be one of {DDP_CHOICES}, got {self.ddp!r}")
+        if self.plots not in PLOTS:
+            raise ValueError(f"TrainingOptions.plots must be 'training-progress' or None, got {self.plots!r}")
+        if self.grad_dtype is not None and self.grad_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"TrainingOptions.grad_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got {self.grad_dtype!r}"
+            )
+        if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
+            raise ValueError(f"TrainingOptions.grad_clip_norm must be positive or None, got {self.grad_clip_norm!r}")
+        if callable(self.output_fns):
+            self.output_fns = (self.output_fns,)
+        for fn in self.output_fns:
+            if not callable(fn):
+                raise ValueError(f"TrainingOptions.output_fns must hold callables, got {fn!r}")
+        if self.lr_scheduler is not None and not callable(self.lr_scheduler):
+            raise ValueError("TrainingOptions.lr_scheduler must be a factory: a callable taking the optimizer")
+        if self.resume and self.checkpoint_dir is None:
+            raise ValueError("TrainingOptions.resume=True needs checkpoint_dir: the folder to resume from")

@@ -1,0 +1,129 @@
+"""``fastpar.Trainer``: one training script for CPU cores, one GPU, all local GPUs or a torchrun cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import torch
+
+from . import checkpoint as ckpt
+from .data import check_exists
+from .environment import resolve
+from .job import Job, OptimizerSpec, build_model, check_picklable
+from .launch import launch_local
+from .loop import run_worker
+from .options import TrainingOptions
+
+
+@dataclasses.dataclass
+class TrainingResult:
+    """What ``Trainer.fit()`` returns on rank 0 (on other ranks of a torchrun job, ``model`` is None)."""
+
+    model: torch.nn.Module | None  # the trained module (the one you passed, updated in place, when you passed one)
+    history: list[dict[str, Any]]  # every logged step, as written to metrics.jsonl
+    metrics_path: str | None
+    plot_path: str | None
+    checkpoints: list[str]
+    stopped_early: bool  # an output function returned True
+    steps: int
+    elapsed: float
+
+    @property
+    def final(self) -> dict[str, Any]:
+        """The last logged record: loss, accuracy, validation metrics, throughput."""
+        return self.history[-1] if self.history else {}
+
+    def last(self, key: str) -> Any:
+        """The most recent logged value of ``key`` (e.g. "val_accuracy"), or None."""
+        return next((r[key] for r in reversed(self.history) if r.get(key) is not None), None)
+
+
+class Trainer:
+    """Train ``model`` with ``optimizer`` on ``train_data`` as ``options`` says.
+
+    - ``model``: an ``nn.Module`` or a factory returning one (each process builds its own).
+    - ``optimizer``: an optimizer over ``model.parameters()``, or a factory ``fn(params) -> Optimizer``.
+    - ``loss_fn``: ``loss_fn(output, target) -> scalar tensor``.
+    - ``train_data``: an image folder (class subfolders), ``(x, y)`` arrays, a torch Dataset, a loader, or a
+      factory ``fn(rank, world_size) -> loader``.
+
+    Started from a plain ``python train.py`` the trainer launches its own workers, so these objects are
+    pickled: define them at module level and guard the entry with ``if __name__ == "__main__":``.
+    """
+
+    def __init__(self, model: Any, optimizer: Any, loss_fn: Any, train_data: Any, *,
+                 options: TrainingOptions | None = None) -> None:  # fmt: skip
+        self.options = options or TrainingOptions()
+        self.model, self.optimizer, self.loss_fn, self.train_data = model, optimizer, loss_fn, train_data
+        if not (isinstance(model, torch.nn.Module) or callable(model)):
+            raise TypeError(f"model must be an nn.Module or a factory returning one, got {type(model).__name__}")
+        if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
+            raise TypeError(f"optimizer must be an Optimizer or a factory fn(params), got {type(optimizer).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+
+    def _check_before_launch(self) -> None:
+        """Every error a user can fix, raised here in the launching process before any worker starts."""
+        opts = self.options
+        opts.validate()
+        check_exists(self.train_data, "train_data")
+        if opts.validation_data is not None:
+            check_exists(opts.validation_data, "TrainingOptions.validation_data")
+        ckpt.check_writable(opts.output_dir, "output_dir")
+        if opts.checkpoint_dir is not None:
+            ckpt.check_writable(opts.checkpoint_dir, "checkpoint_dir")
+            ckpt.remove_stale_temp_files(opts.checkpoint_dir)
+            existing = ckpt.list_checkpoints(opts.checkpoint_dir)
+            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted us: resume
+            if existing and not opts.resume and not restarted:
+                raise FileExistsError(
+                    f"TrainingOptions.checkpoint_dir={opts.checkpoint_dir!r} already holds {len(existing)} checkpoint(s) "
+                    f"(newest {existing[-1].name}) from an earlier run; pass resume=True to continue from them, "
+                    "or use an empty folder"
+                )
+        if opts.plots == "training-progress":
+            from .._optional import require
+
+            require("matplotlib", extra="plot", purpose="plots='training-progress'")
+
+    def fit(self) -> TrainingResult:
+        """Train; returns a TrainingResult (see its fields)."""
+        self._check_before_launch()
+        opts = self.options
+        plan = resolve(opts.execution_environment, opts.devices, opts.threads_per_process)
+        optimizer = self.optimizer
+        local_launch = plan.nprocs > 1
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if not isinstance(self.model, torch.nn.Module):
+                raise TypeError(
+                    "an optimizer instance needs a model instance; with a model factory pass an optimizer factory"
+                )
+            if local_launch:
+                optimizer = OptimizerSpec.from_optimizer(optimizer, self.model)
+            else:
+                optimizer = lambda _params, opt=optimizer: opt  # noqa: E731 - same process: use it as is
+        job = Job(self.model, optimizer, self.loss_fn, self.train_data, opts, plan)
+        if local_launch:
+            check_picklable(job)
+            raw = launch_local(job, plan.nprocs, opts.max_restarts)
+        else:  # one process here, or this process is already a torchrun worker
+            raw = run_worker(job)
+        return self._result(raw)
+
+    def _result(self, raw: dict[str, Any] | None) -> TrainingResult:
+        if raw is None:  # a non-zero rank of a torchrun job
+            return TrainingResult(None, [], None, None, [], False, 0, 0.0)
+        model = build_model(self.model)
+        model.load_state_dict(raw["model_state"])
+        return TrainingResult(
+            model=model,
+            history=raw["history"],
+            metrics_path=raw["metrics_path"],
+            plot_path=raw["plot_path"],
+            checkpoints=raw["checkpoints"],
+            stopped_early=raw["stopped_early"],
+            steps=raw["steps"],
+            elapsed=raw["elapsed"],
+        )
