@@ -1,0 +1,220 @@
+"""``fastpar bench ddp``: training-step time of fastpar's DDP against stock torch DDP and no communication.
+
+One step = ``zero_grad(set_to_none=True)`` + forward + backward + SGD step, loss ``out.square().mean()``.
+Models: ``mlp`` = 16 x (Linear(1024, 1024) + GELU) on (64, 1024); ``blocks`` = 96 x (Linear(256, 256) +
+LayerNorm(256) + GELU) on (64, 256). Variants, interleaved in rounds on the same ranks:
+
+  no_comm           the bare model, no DDP: the floor
+  ddp               torch DistributedDataParallel with its defaults: the peer
+  ddp_bucket_view   gradient_as_bucket_view=True
+  ddp_batched_copy  batched_grad_copy=True (only when the installed torch has it)
+  ddp_fp16_hook     torch DDP + fp16_compress_hook
+  fastpar_fp32      fastpar.DistributedDataParallel
+  fastpar_bf16      fastpar.DistributedDataParallel(grad_dtype=torch.bfloat16)
+
+Before timing, every variant takes one step on the same batch on every rank; its parameters must then
+equal stock DDP's: bit for bit in fp32, within a tolerance for the fp16/bf16 reductions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import launch
+from .harness import BenchUsageError, Plan, WrongResultError, count_mismatches, interleaved_rounds, median
+from .table import BenchReport, Column, PlotSpec
+
+DESCRIPTION = "DDP step time: fastpar vs torch DDP variants vs a no-communication step"
+USES = {"nproc"}
+DEFAULTS = {"iters": 2, "warmup": 1, "rounds": 5}
+MODELS = {"mlp": (1024, 16), "blocks": (256, 96)}  # name -> (width, depth)
+VARIANTS = ("no_comm", "ddp", "ddp_bucket_view", "ddp_batched_copy", "ddp_fp16_hook", "fastpar_fp32", "fastpar_bf16")
+LOW_PRECISION = ("ddp_fp16_hook", "fastpar_bf16")
+GOALS = (("fastpar_fp32", "ddp", 0.92), ("fastpar_bf16", "ddp_fp16_hook", 0.85))  # issue 3
+
+
+def build_model(name: str, seed: int = 0) -> nn.Module:
+    width, depth = MODELS[name]
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers.append(nn.Linear(width, width))
+        if name == "blocks":
+            layers.append(nn.LayerNorm(width))
+        layers.append(nn.GELU())
+    return nn.Sequential(*layers)
+
+
+def available_variants() -> tuple[list[str], list[str]]:
+    """Variants this installation can run, and a note for each one it cannot."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    names, notes = list(VARIANTS), []
+    if "batched_grad_copy" not in inspect.signature(DistributedDataParallel.__init__).parameters:
+        names.remove("ddp_batched_copy")
+        notes.append(f"ddp_batched_copy skipped: torch {torch.__version__} DDP has no batched_grad_copy")
+    try:
+        importlib.import_module("fastpar.ddp").DistributedDataParallel  # noqa: B018
+    except (ImportError, AttributeError) as exc:
+        names = [n for n in names if not n.startswith("fastpar")]
+        notes.append(f"fastpar_fp32/fastpar_bf16 skipped: fastpar.DistributedDataParallel is not available ({exc})")
+    return names, notes
+
+
+def wrap(variant: str, model: nn.Module) -> nn.Module:
+    """``model`` wrapped as ``variant`` (on CPU; a CUDA model gets its device id)."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    device_ids = [next(model.parameters()).device.index] if next(model.parameters()).is_cuda else None
+    if variant == "no_comm":
+        return model
+    if variant == "ddp":
+        return TorchDDP(model, device_ids=device_ids)
+    if variant == "ddp_bucket_view":
+        return TorchDDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    if variant == "ddp_batched_copy":
+        return TorchDDP(model, device_ids=device_ids, batched_grad_copy=True)
+    if variant == "ddp_fp16_hook":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        wrapped = TorchDDP(model, device_ids=device_ids)
+        wrapped.register_comm_hook(None, fp16_compress_hook)
+        return wrapped
+    from ..ddp import DistributedDataParallel as FastparDDP
+
+    if variant == "fastpar_fp32":
+        return FastparDDP(model, device_ids=device_ids)
+    if variant == "fastpar_bf16":
+        return FastparDDP(model, device_ids=device_ids, grad_dtype=torch.bfloat16)
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+class Trainee:
+    """One variant's model, optimizer and step."""
+
+    def __init__(self, variant: str, model_name: str, device: torch.device, lr: float) -> None:
+        self.model = wrap(variant, build_model(model_name).to(device))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
+
+    def step(self, x: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model(x).square().mean().backward()
+        self.optimizer.step()
+
+    def flat_params(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+
+
+def step_call(rank: int, world_size: int, variant: str, model_name: str, batch: int = 64) -> Callable[[], None]:
+    """One rank's training step of ``variant`` on CPU (for ``fastpar.bench.peers``)."""
+    trainee = Trainee(variant, model_name, torch.device("cpu"), lr=0.01)
+    x = torch.randn(batch, MODELS[model_name][0], generator=torch.Generator().manual_seed(100 + rank))
+    return lambda: trainee.step(x)
+
+
+def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchReport | None:
+    device = launch.rank_device(args.backend)
+    plan = Plan(args.warmup, args.rounds, args.iters)
+    results: dict[str, dict[str, float]] = {}
+    for model_name in args.model_list:
+        width = MODELS[model_name][0]
+        trainees = {v: Trainee(v, model_name, device, args.lr) for v in args.variant_list}
+        check_batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(1)).to(device)
+        for trainee in trainees.values():
+            trainee.step(check_batch)  # same batch on every rank: every variant must match stock DDP
+        reference = trainees["ddp"].flat_params()
+        wrong = {}
+        for variant, trainee in trainees.items():
+            exact = variant not in LOW_PRECISION and variant != "no_comm"
+            tol = {} if exact else {"rtol": 1e-3, "atol": 1e-5 if variant == "no_comm" else 1e-4}
+            wrong[variant] = launch.agree_count(count_mismatches(trainee.flat_params(), reference, **tol), device)
+        if any(wrong.values()):
+            listing = ", ".join(f"{v}: {n} parameters differ" for v, n in wrong.items() if n)
+            raise WrongResultError(f"{model_name}: after one step on the same batch, vs stock DDP: {listing}")
+        batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(100 + rank)).to(device)
+        times = interleaved_rounds(
+            {v: (lambda t=t, x=batch: t.step(x)) for v, t in trainees.items()},
+            plan,
+            device,
+            before_round=lambda: launch.barrier(device),
+        )
+        seconds = launch.slowest([median(times[v]) for v in trainees], device)
+        results[model_name] = dict(zip(trainees, seconds, strict=True))
+        del trainees
+    return _report(args, world_size, results) if rank == 0 else None
+
+
+def _report(args, world_size: int, results: dict[str, dict[str, float]]) -> BenchReport:
+    rows, footer, goals = [], [], {}
+    for model_name, seconds in results.items():
+        floor, peer = seconds["no_comm"], seconds["ddp"]
+        for variant, t in seconds.items():
+            rows.append(dict(model=model_name, variant=variant, step_ms=t * 1e3, x_floor=t / floor, x_ddp=t / peer))
+        for ours, theirs, limit in GOALS:
+            if ours in seconds and theirs in seconds:
+                ratio = seconds[ours] / seconds[theirs]
+                goals[f"{model_name}: {ours} / {theirs}"] = ratio <= limit
+                verdict = "MET" if ratio <= limit else "NOT MET"
+                footer.append(f"goal {model_name}: {ours} <= {limit:.2f}x {theirs}: {ratio:.2f}x -> {verdict}")
+        torch_best = min(t for v, t in seconds.items() if v.startswith("ddp"))
+        if "fastpar_fp32" in seconds:
+            ratio = seconds["fastpar_fp32"] / torch_best
+            goals[f"{model_name}: fastpar_fp32 / best torch"] = ratio <= 1.0
+            footer.append(
+                f"goal {model_name}: fastpar_fp32 never slower than the best torch variant: {ratio:.2f}x -> "
+                f"{'MET' if ratio <= 1.0 else 'NOT MET'}"
+            )
+    return BenchReport(
+        benchmark="ddp",
+        title=f"training step time, {world_size} ranks",
+        columns=[
+            Column("model", "model", 7),
+            Column("variant", "variant", 17),
+            Column("step_ms", "step(ms)", 10, ".2f", "ms"),
+            Column("x_floor", "x no_comm", 10, ".2f", "x"),
+            Column("x_ddp", "x ddp", 8, ".2f", "x"),
+        ],
+        rows=rows,
+        header={
+            "backend": args.backend,
+            "world size": str(world_size),
+            "threads per rank": str(args.threads),
+            "batch": str(args.batch),
+            "timing": f"median of {args.rounds} interleaved rounds x {args.iters} steps after {args.warmup} warm-up",
+        },
+        footer=footer,
+        notes=list(args.skip_notes),
+        summary={"step_ms": {m: {v: t * 1e3 for v, t in s.items()} for m, s in results.items()}, "goals_met": goals},
+        plot=PlotSpec("bar", "variant", "x_floor", series="model", ylabel="step time / no-communication step"),
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("ddp")
+    group.add_argument("--models", default="mlp,blocks", help="comma-separated of mlp, blocks (default both)")
+    group.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (ddp always runs)")
+    group.add_argument("--batch", type=int, default=64, help="rows per step per rank (default 64)")
+    group.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
+
+
+def run(args: argparse.Namespace) -> BenchReport | None:
+    args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(args.model_list) - set(MODELS)) or (["(none)"] if not args.model_list else [])
+    if unknown:
+        raise BenchUsageError(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    wanted = {v.strip() for v in args.variants.split(",") if v.strip()} | {"no_comm", "ddp"}
+    if wanted - set(VARIANTS):
+        raise BenchUsageError(f"unknown variant(s) {sorted(wanted - set(VARIANTS))}; choose from {', '.join(VARIANTS)}")
+    if args.batch < 1:
+        raise BenchUsageError(f"--batch must be at least 1, got {args.batch}")
+    possible, args.skip_notes = available_variants()
+    args.variant_list = [v for v in possible if v in wanted]
+    world = launch.resolve_world(args.nproc, args.backend)
+    args.backend = world.backend
+    return launch.run_ranks(_rank_main, args, world, threads=args.threads)

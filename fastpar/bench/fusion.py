@@ -1,0 +1,220 @@
+"""``fastpar bench fusion``: all-reduce of many small tensors, against one tensor of the same bytes.
+
+Paths (all in place, SUM, on the same tensors' shapes):
+  one_by_one        one blocking ``dist.all_reduce`` per tensor
+  async_one_wait    every tensor launched with ``async_op=True``, then all waited at the end
+  torch_coalesced   ``torch.distributed.all_reduce_coalesced`` (deprecated in torch, still present)
+  fastpar_bucketed  ``fastpar.ddp.all_reduce_coalesced``: pack into flat buckets, reduce, unpack
+  fastpar_views     the tensors are views into flat buckets (as fastpar DDP keeps gradients):
+                    one all-reduce per bucket, nothing packed
+  single            one all-reduce of one tensor of the same total bytes: the floor
+
+``share_of_single`` = single's time / the path's time (1.0 = as fast as one big tensor).
+The first two paths issue thousands of collectives and are slow: they run ``--slow-iters`` calls per
+round (default 1) and their correctness run doubles as their warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import launch
+from .harness import (
+    BenchUsageError,
+    Plan,
+    WrongResultError,
+    bandwidth_gbs,
+    count_mismatches,
+    dtype_name,
+    format_bytes,
+    interleaved_rounds,
+    median,
+    parse_dtype,
+    synchronize,
+)
+from .table import BenchReport, Column, PlotSpec
+
+DESCRIPTION = "all-reduce of many small tensors: one by one, async, coalesced, fastpar buckets vs one tensor"
+USES = {"nproc", "dtype"}
+DEFAULTS = {"iters": 5, "warmup": 1, "rounds": 3}
+VARIANTS = ("one_by_one", "async_one_wait", "torch_coalesced", "fastpar_bucketed", "fastpar_views", "single")
+SLOW_VARIANTS = ("one_by_one", "async_one_wait")
+GOAL_SHARE = 0.90  # issue 5: fastpar's bucketed path >= 90% of the single-tensor speed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("fusion")
+    group.add_argument("--count", type=int, default=4000, help="number of tensors (default 4000)")
+    group.add_argument("--numel", type=int, default=1024, help="elements per tensor (default 1024)")
+    group.add_argument("--bucket-cap-mb", type=float, default=25.0, help="fastpar bucket size cap (default 25)")
+    group.add_argument("--slow-iters", type=int, default=1, help="calls per round of one_by_one/async (default 1)")
+    group.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of {','.join(VARIANTS)} (single always runs)",
+    )
+
+
+def _selected(args: argparse.Namespace) -> list[str]:
+    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        raise BenchUsageError(f"unknown fusion variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    return [v for v in VARIANTS if v in chosen or v == "single"]
+
+
+def _fill(tensors: list[torch.Tensor], rank: int) -> None:
+    """Tensor j, element i: (rank % 4) + (i + j) % 4 -- small integers, exact in every dtype."""
+    for j, t in enumerate(tensors):
+        flat = t.view(-1)
+        flat.copy_((rank % 4) + (torch.arange(flat.numel(), device=flat.device) + j) % 4)
+
+
+def _expected(tensor: torch.Tensor, j: int, n: int) -> torch.Tensor:
+    idx = torch.arange(tensor.numel(), device=tensor.device)
+    return (sum(k % 4 for k in range(n)) + n * ((idx + j) % 4)).to(tensor.dtype).view(tensor.shape)
+
+
+def build_path(name: str, count: int, numel: int, dtype, device, cap_mb: float) -> tuple[list[torch.Tensor], Callable]:
+    """The tensors a path reduces (as the check sees them) and one call of the path."""
+    from ..ddp import all_reduce_coalesced
+    from ..ddp.coalesced import plan_coalesced_buckets
+
+    if name == "single":
+        flat = torch.zeros(count * numel, dtype=dtype, device=device)
+        return [flat], lambda: dist.all_reduce(flat)
+    tensors = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(count)]
+    if name == "one_by_one":
+        return tensors, lambda: [dist.all_reduce(t) for t in tensors]
+    if name == "async_one_wait":
+
+        def launch_all_then_wait() -> None:
+            works = [dist.all_reduce(t, async_op=True) for t in tensors]
+            for work in works:
+                work.wait()
+
+        return tensors, launch_all_then_wait
+    if name == "torch_coalesced":
+
+        def torch_coalesced() -> None:
+            with warnings.catch_warnings():  # only its deprecation notice, once per call
+                warnings.filterwarnings("ignore", message=".*all_reduce_coalesced.*", category=FutureWarning)
+                dist.all_reduce_coalesced(tensors)
+
+        return tensors, torch_coalesced
+    if name == "fastpar_bucketed":
+        return tensors, lambda: all_reduce_coalesced(tensors, None, bucket_cap_mb=cap_mb, scale=1.0)
+    if name == "fastpar_views":
+        buckets = plan_coalesced_buckets(tensors, cap_mb)
+        flats = [torch.zeros(len(b) * numel, dtype=dtype, device=device) for b in buckets]
+        views = [view for flat in flats for view in flat.split(numel)]
+
+        def reduce_buckets() -> None:
+            works = [dist.all_reduce(flat, async_op=True) for flat in flats]
+            for work in works:
+                work.wait()
+
+        return views, reduce_buckets
+    raise ValueError(name)
+
+
+def path_call(
+    rank: int, world_size: int, name: str, count: int = 4000, numel: int = 1024, cap_mb: float = 25.0
+) -> Callable[[], object]:
+    """One rank's call of path ``name`` on zeroed float32 CPU tensors (for ``fastpar.bench.peers``)."""
+    return build_path(name, count, numel, torch.float32, torch.device("cpu"), cap_mb)[1]
+
+
+def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchReport | None:
+    device = launch.rank_device(args.backend)
+    dtype = parse_dtype(args.dtype)
+    names = _selected(args)
+    paths = {name: build_path(name, args.count, args.numel, dtype, device, args.bucket_cap_mb) for name in names}
+    wrong: dict[str, int] = {}
+    for name, (tensors, call) in paths.items():  # check every path once before timing anything
+        _fill(tensors, rank)
+        call()
+        synchronize(device)
+        if name == "single":
+            bad = count_mismatches(tensors[0], _expected(tensors[0], 0, world_size))
+        else:
+            bad = sum(count_mismatches(t, _expected(t, j, world_size)) for j, t in enumerate(tensors))
+        wrong[name] = launch.agree_count(bad, device)
+        for t in tensors:
+            t.zero_()  # timed on zeros: repeated sums never overflow
+    if any(wrong.values()):
+        listing = ", ".join(f"{k}: {v} wrong elements" for k, v in wrong.items() if v)
+        raise WrongResultError(f"fusion on {world_size} ranks gave wrong results ({listing})")
+    slow = {name: args.slow_iters for name in SLOW_VARIANTS}
+    times = interleaved_rounds(
+        {name: call for name, (_, call) in paths.items()},
+        Plan(args.warmup, args.rounds, args.iters),
+        device,
+        iters=slow,
+        warmups={name: 0 for name in SLOW_VARIANTS},
+        before_round=lambda: launch.barrier(device),
+    )
+    seconds = launch.slowest([median(times[name]) for name in names], device)
+    return _report(args, world_size, dtype, dict(zip(names, seconds, strict=True))) if rank == 0 else None
+
+
+def _report(args, world_size: int, dtype: torch.dtype, seconds: dict[str, float]) -> BenchReport:
+    nbytes = args.count * args.numel * torch.empty((), dtype=dtype).element_size()
+    single = seconds["single"]
+    peer = seconds.get("torch_coalesced")
+    rows = []
+    for name, t in seconds.items():
+        tensors = 1 if name == "single" else args.count
+        rows.append(
+            dict(variant=name, tensors=tensors, bytes=nbytes, time_ms=t * 1e3, algbw=bandwidth_gbs(nbytes, t),
+                 share_of_single=single / t, vs_torch_coalesced=(t / peer) if peer else None)
+        )  # fmt: skip
+    columns = [
+        Column("variant", "variant", 17),
+        Column("tensors", "tensors", 8),
+        Column("bytes", "bytes", 10),
+        Column("time_ms", "time(ms)", 10, ".2f", "ms"),
+        Column("algbw", "algbw(GB/s)", 12, ".3f", "GB/s"),
+        Column("share_of_single", "share_of_single", 16, ".1%"),
+        Column("vs_torch_coalesced", "time/torch_coal", 16, ".2f", "x"),
+    ]
+    footer = [f"floor: single all-reduce of {format_bytes(nbytes)} = {single * 1e3:.2f} ms"]
+    summary = {"share_of_single": {r["variant"]: r["share_of_single"] for r in rows}, "goal_share": GOAL_SHARE}
+    if "fastpar_bucketed" in seconds:
+        share = single / seconds["fastpar_bucketed"]
+        verdict = "MET" if share >= GOAL_SHARE else "NOT MET"
+        footer.append(f"goal: fastpar_bucketed >= {GOAL_SHARE:.0%} of single: {share:.1%} -> {verdict}")
+        summary["goal_met"] = share >= GOAL_SHARE
+    footer.append(f"one_by_one and async_one_wait: {args.slow_iters} call(s) per round (--slow-iters)")
+    return BenchReport(
+        benchmark="fusion",
+        title=f"all-reduce of {args.count} tensors x {args.numel} {dtype_name(dtype)}, {world_size} ranks",
+        columns=columns,
+        rows=rows,
+        header={
+            "backend": args.backend,
+            "world size": str(world_size),
+            "bucket cap": f"{args.bucket_cap_mb} MB",
+            "timing": f"median of {args.rounds} interleaved rounds x {args.iters} iters, slowest rank",
+        },
+        footer=footer,
+        summary=summary,
+        plot=PlotSpec("bar", "variant", "share_of_single", ylabel="speed as a share of one single tensor"),
+    )
+
+
+def run(args: argparse.Namespace) -> BenchReport | None:
+    for flag, value in (("--count", args.count), ("--numel", args.numel), ("--slow-iters", args.slow_iters)):
+        if value < 1:
+            raise BenchUsageError(f"{flag} must be at least 1, got {value}")
+    _selected(args)
+    if parse_dtype(args.dtype) not in (torch.float32, torch.float16, torch.bfloat16):
+        raise BenchUsageError(f"fusion needs float32, float16 or bfloat16 (fastpar buckets), got {args.dtype}")
+    world = launch.resolve_world(args.nproc, args.backend)
+    args.backend = world.backend
+    return launch.run_ranks(_rank_main, args, world, threads=args.threads)

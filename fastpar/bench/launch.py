@@ -1,0 +1,146 @@
+"""Run a benchmark on N ranks: spawn them locally (``--nproc N``) or join a torchrun launch.
+
+Backend: gloo on CPU; NCCL when CUDA is available and every rank gets its own GPU. A benchmark's
+per-rank function is ``fn(rank, world_size, args) -> BenchReport | None`` (rank 0 returns the report);
+it raises :class:`WrongResultError` on every rank alike (ranks agree first with :func:`agree_count`),
+so no rank is left waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .harness import BenchUsageError, WrongResultError
+
+
+def max_cpu_ranks() -> int:
+    """More CPU ranks than this measures the scheduler, not the collective."""
+    return max(8, 2 * (os.cpu_count() or 1))
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+@dataclass(frozen=True)
+class World:
+    nproc: int
+    backend: str  # "gloo" | "nccl"
+    external: bool  # True under torchrun: this process is one rank already
+
+
+def resolve_world(nproc: int | None, backend: str = "auto") -> World:
+    """Check ``--nproc``/``--backend`` against the machine and pick the backend."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise BenchUsageError(f"unknown backend {backend!r}; use auto, gloo or nccl")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    external = launched_by_torchrun()
+    if external:
+        world = int(os.environ["WORLD_SIZE"])
+        if nproc is not None and nproc != world:
+            raise BenchUsageError(f"--nproc {nproc} disagrees with torchrun's WORLD_SIZE={world}; drop --nproc")
+        nproc = world
+    elif nproc is None:
+        nproc = gpus if gpus >= 1 and backend != "gloo" else 2
+    if nproc < 1:
+        raise BenchUsageError(f"--nproc must be at least 1, got {nproc}")
+    if backend == "auto":
+        backend = "nccl" if gpus >= 1 and nproc <= gpus else "gloo"
+        if gpus >= 1 and nproc > gpus and not external:
+            raise BenchUsageError(
+                f"--nproc {nproc} is above the {gpus} GPU(s) visible; use --nproc {gpus} or fewer, "
+                "or --backend gloo to run CPU ranks"
+            )
+    if backend == "nccl":
+        if gpus == 0:
+            raise BenchUsageError("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
+        if nproc > gpus and not external:
+            raise BenchUsageError(f"--nproc {nproc} is above the {gpus} GPU(s) visible; use --nproc {gpus} or fewer")
+    if backend == "gloo" and not external and nproc > max_cpu_ranks():
+        raise BenchUsageError(
+            f"--nproc {nproc} is above {max_cpu_ranks()} CPU ranks for this {os.cpu_count()}-core machine; "
+            "the numbers would measure the scheduler. Use fewer ranks or torchrun across machines"
+        )
+    return World(nproc=nproc, backend=backend, external=external)
+
+
+def rank_device(backend: str) -> torch.device:
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_count(count: int, device: torch.device) -> int:
+    """Sum of ``count`` over all ranks (every rank gets the same answer)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return count
+    total = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return int(total.item())
+
+
+def slowest(seconds: list[float], device: torch.device) -> list[float]:
+    """Element-wise maximum over ranks: a collective is as slow as its slowest rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(seconds)
+    values = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
+
+
+def barrier(device: torch.device) -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if device.type == "cuda":
+            dist.barrier(device_ids=[device.index])
+        else:
+            dist.barrier()
+
+
+@dataclass(frozen=True)
+class _Wrong:
+    message: str
+
+
+def _rank_entry(rank: int, world_size: int, fn: Callable[..., Any], args: Any) -> Any:
+    try:
+        return fn(rank, world_size, args)
+    except WrongResultError as exc:
+        return _Wrong(str(exc))
+
+
+def run_ranks(fn: Callable[..., Any], args: Any, world: World, *, threads: int = 1, timeout: float = 3600.0) -> Any:
+    """Run ``fn(rank, world_size, args)`` on every rank; return rank 0's value (None on other
+    torchrun ranks). Raises :class:`WrongResultError` when the ranks found a wrong result."""
+    if world.external:
+        value = _run_external(fn, args, world, threads)
+    else:
+        from .._spawn import spawn
+
+        value = spawn(_rank_entry, world.nproc, fn, args, backend=world.backend, threads=threads, timeout=timeout)[0]
+    if isinstance(value, _Wrong):
+        raise WrongResultError(value.message)
+    return value
+
+
+def _run_external(fn: Callable[..., Any], args: Any, world: World, threads: int) -> Any:
+    rank = int(os.environ["RANK"])
+    if threads:
+        torch.set_num_threads(threads)
+    if world.backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(world.backend, timeout=datetime.timedelta(seconds=600))
+    try:
+        value = _rank_entry(rank, world.nproc, fn, args)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+    return value if rank == 0 else (value if isinstance(value, _Wrong) else None)
