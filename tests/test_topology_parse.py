@@ -131,3 +131,80 @@ def test_bad_or_truncated_text_names_the_line(mutate, message):
     text = "\n".join(mutate(_lines("traverse_v100_nvlink_pairs_mlx5.txt")))
     with pytest.raises(ValueError, match=message):
         Topology.from_nvidia_smi(text)
+
+
+# --- outputs found in more public pages (README lists sources) ----------------------------------------
+
+
+def test_single_gpu_has_no_links_and_selects_itself():
+    t = load("tesla_p4_single_gpu.txt")
+    assert [g.index for g in t.gpus] == [0] and t.links == [] and t.gpu(0).cpu_affinity == list(range(8))
+    assert t.gpu(0).numa_affinity == [] and t.gpu(0).gpu_numa_id is None
+
+
+def test_many_nic_columns_with_legend_and_bond_device():
+    t = load("a100_8x_nv12_17nics_bond.txt")
+    assert len(t.gpus) == 8 and {ln.label for ln in t.links} == {"NV12"}
+    assert [n.name for n in t.nics] == [f"mlx5_{i}" for i in range(2, 18)] + ["mlx5_bond_0"]
+    assert t.nics[16].gpu_paths == dict.fromkeys(range(8), "SYS") and t.nics[16].numa_node is None
+    assert t.nics[4].gpu_paths[2] == "PXB" and t.nics[4].gpu_paths[0] == "SYS"
+
+
+def test_consumer_box_with_phb_node_sys_and_na_numa():
+    t = load("rtx_5x_phb_node_sys.txt")
+    assert t.link(1, 2).label == "PHB" and t.link(1, 3).label == "NODE" and t.link(0, 4).label == "SYS"
+    assert [g.numa_node for g in t.gpus] == [1, 0, 0, 0, 0]
+    t = load("gtx1080ti_2x_phb_numa_na.txt")
+    assert t.link(0, 1).label == "PHB" and t.gpu(1).numa_affinity == [] and t.gpu(1).cpu_affinity == list(range(12))
+    t = load("rtx3090_2x_sys_numa_na_and_1.txt")
+    assert t.gpu(0).numa_affinity == [] and t.gpu(1).numa_node == 1 and t.gpu(0).cpu_affinity[-1] == 23
+
+
+def test_indented_report_followed_by_p2p_matrix_reads_only_the_topo_matrix():
+    t = load("rtx3090_2x_indented_with_p2p_matrix.txt")
+    assert len(t.gpus) == 2 and t.link(0, 1).label == "NODE" and t.gpu(1).cpu_affinity == list(range(16))
+
+
+def test_p2p_matrix_alone_gets_a_hint():
+    text = "\tGPU0\tGPU1\t\nGPU0\tX\tGNS\t\nGPU1\tGNS\tX\t\n"  # `nvidia-smi topo -p2p rw`, club-3090 #1229
+    with pytest.raises(ValueError, match=r"line 2: cell GPU0/GPU1 is 'GNS'.*topo -p2p"):
+        Topology.from_nvidia_smi(text)
+
+
+def test_slurm_view_with_unnamed_nics_and_cut_nic_rows():
+    t = load("a100_2gpu_slurm_nv12_10nics.txt")
+    assert t.link(0, 1).label == "NV12" and len(t.nics) == 10 and t.nics[0].gpu_paths == {0: "PXB", 1: "PXB"}
+    assert [g.numa_node for g in t.gpus] == [3, 3] and t.nics[0].numa_node == 3
+
+
+def _pipes(text: str) -> str:
+    """A markdown table, as chat tools and blogs render the matrix."""
+    out = []
+    for line in text.splitlines():
+        for name in ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID"):
+            line = line.replace(name, name.replace(" ", "\0"))
+        out.append("| " + " | ".join(t.replace("\0", " ") for t in line.split()) + " |" if line.strip() else "")
+    return "\n".join(out)
+
+
+PASTE_DAMAGE = {
+    "crlf": lambda t: t.replace("\n", "\r\n"),
+    "ansi": lambda t: "\n".join(f"\x1b[1m{ln}\x1b[0m" if "GPU" in ln else ln for ln in t.splitlines()),
+    "ansi_lost_esc": lambda t: "\n".join(f"[4m{ln}[0m" if "GPU0" in ln else ln for ln in t.splitlines()),
+    "indented": lambda t: "\n".join("    " + ln for ln in t.splitlines()),
+    "trailing_blanks": lambda t: "\n".join(ln + "  \t " for ln in t.splitlines()),
+    "quoted": lambda t: "\n".join("> " + ln for ln in t.splitlines()),
+    "fenced": lambda t: "```\n" + t + "\n```\n",
+    "markdown_table": _pipes,
+    "bom": lambda t: "\ufeff" + t,
+    "nbsp": lambda t: t.replace("\t", "\u00a0\u00a0"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(PASTE_DAMAGE))
+@pytest.mark.parametrize("name", ALL)
+def test_pasted_copies_parse_like_the_original(name, damage):
+    text = (FIXTURES / name).read_text()
+    want, got = Topology.from_nvidia_smi(text), Topology.from_nvidia_smi(PASTE_DAMAGE[damage](text))
+    assert (got.gpus, got.links) == (want.gpus, want.links)
+    assert [(n.name, n.gpu_paths) for n in got.nics] == [(n.name, n.gpu_paths) for n in want.nics]

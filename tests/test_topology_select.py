@@ -125,3 +125,19 @@ def test_sixteen_choose_eight_is_exhaustive_and_quick():
     )
     sel = select_devices(8, t, explain=True)
     assert sel.devices == list(range(8)) and sel.sets_scored == 12870  # all tie: nothing can be pruned
+
+
+def test_unknown_numa_node_is_placed_by_cpu_affinity():
+    # GPU0's NUMA Affinity is N/A but its CPUs are the other socket's: {0,1} spans two sockets, {1,2} one.
+    text = (
+        "\tGPU0\tGPU1\tGPU2\tCPU Affinity\tNUMA Affinity\n"
+        "GPU0\t X \tSYS\tSYS\t8-15\tN/A\n"
+        "GPU1\tSYS\t X \tSYS\t0-7\t0\n"
+        "GPU2\tSYS\tSYS\t X \t0-7\t0\n"
+    )
+    t = Topology.from_nvidia_smi(text)
+    assert select_devices(2, t) == [1, 2]
+    # Same CPUs as a known node: counts as that node, so the lowest indices win the tie.
+    assert select_devices(2, Topology.from_nvidia_smi(text.replace("8-15", "0-7"))) == [0, 1]
+    explained = select_devices(2, Topology.from_nvidia_smi(text.replace("0-7\t0\n", "0-7\tN/A\n", 1)), explain=True)
+    assert explained.numa_unknown == [1] and "unknown for GPU1" in str(explained)

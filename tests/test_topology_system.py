@@ -272,3 +272,45 @@ def test_cli_on_this_machine_and_from_file(capsys):
     assert data["selection"]["devices"] == [0, 1] and len(data["gpus"]) == 8
     assert main(["--from", dgx, "--select", "9"]) == 2
     assert "only 8 of 8 are available" in capsys.readouterr().err
+
+
+ALL_FIXTURES = sorted(FIXTURES.glob("*.txt"))
+
+
+@pytest.mark.parametrize("path", ALL_FIXTURES, ids=lambda p: p.name)
+def test_cli_every_mode_on_every_fixture(path, capsys, monkeypatch):
+    monkeypatch.setattr("fastpar.topology.cli.discover", lambda: Topology(source="sysfs"))  # no /sys reads here
+    gpus = len(Topology.from_nvidia_smi(path.read_text()).gpus)
+    for mode in ([], ["--matrix"], ["--json"], ["--select", "1"], ["--select", str(gpus), "--json"]):
+        assert main(["--from", str(path), *mode]) == 0, mode
+    out = capsys.readouterr().out
+    assert "Traceback" not in out and json.loads(out[out.rindex('{\n  "gpus"') :])["selection"]["devices"]
+    assert main(["--from", str(path), "--select", str(min(2, gpus)), "--env"]) == 0
+    env = _eval_in_bash(capsys.readouterr().out.splitlines(), {"PATH": os.environ["PATH"]})
+    assert len(env["CUDA_VISIBLE_DEVICES"].split(",")) == min(2, gpus)
+    assert main(["--from", str(path), "--select", str(gpus + 1)]) == 2
+    assert main(["--from", str(path), "--select", "0"]) == 2
+    assert "at least 1" in capsys.readouterr().err
+
+
+def test_cli_reads_utf16_and_bom_files_and_rejects_empty_binary_missing(tmp_path, capsys):
+    text = (FIXTURES / "rtx5090_2x_phb.txt").read_text()
+    (tmp_path / "ps.txt").write_bytes(text.encode("utf-16"))  # Windows PowerShell `>` writes UTF-16 with BOM
+    (tmp_path / "bom.txt").write_bytes(text.encode("utf-8-sig"))
+    for name in ("ps.txt", "bom.txt"):
+        assert (
+            main(["--from", str(tmp_path / name), "--select", "2"]) == 0
+            and "selected GPUs 0,1" in capsys.readouterr().out
+        )
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "blob.bin").write_bytes(bytes(range(128, 256)) * 3)
+    (tmp_path / "notes.txt").write_text("hello\n")
+    for name, message in [
+        ("empty.txt", "is empty; save the output of `nvidia-smi topo -m`"),
+        ("blob.bin", "is not text"),
+        ("notes.txt", "no header line naming GPU0"),
+        ("missing.txt", "No such file"),
+    ]:
+        assert main(["--from", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("fastpar topo: error: ") and message in err and "Traceback" not in err

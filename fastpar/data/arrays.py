@@ -31,26 +31,47 @@ from .loader import PlannedLoader, resolve_device, resolve_rank
 from .sharding import LAST_BATCH_POLICIES, ShardSpec
 
 
-def _as_tensor(a: Any) -> torch.Tensor:
-    return a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))
+def _as_array(a: Any, what: str) -> torch.Tensor | np.ndarray:
+    """Tensors stay tensors; anything else becomes a numpy array, kept as is (views, memmaps, negative
+    strides and byte orders included) and indexed one batch at a time, so nothing is copied up front."""
+    if isinstance(a, torch.Tensor):
+        return a
+    array = np.asarray(a)
+    try:  # a dtype torch cannot hold (object, strings) fails here, not in the middle of an epoch
+        _take(array, np.zeros(min(1, len(array)), dtype=np.int64))
+    except TypeError as exc:
+        raise ValueError(
+            f"{what} has dtype {array.dtype}, which torch tensors cannot hold ({exc}); convert it to numbers, "
+            "or use fastpar.data.iterable_loader for Python objects"
+        ) from None
+    return array
+
+
+def _take(data: torch.Tensor | np.ndarray, indices: np.ndarray) -> torch.Tensor:
+    """Rows ``indices`` of ``data`` as a tensor on data's device."""
+    if isinstance(data, torch.Tensor):
+        return data.index_select(0, torch.from_numpy(indices).to(data.device))
+    rows = data[indices]  # numpy fancy indexing: a fresh array, whatever the strides of data
+    if not rows.dtype.isnative:  # big-endian data (some .npy/.mat files): torch only takes native order
+        rows = rows.astype(rows.dtype.newbyteorder("="))
+    return torch.from_numpy(rows)
 
 
 class ArrayLoader(PlannedLoader):
-    """Batches ``(x[idx], y[idx])`` (or ``x[idx]`` without y) of in-memory tensors for this rank."""
+    """Batches ``(x[idx], y[idx])`` (or ``x[idx]`` without y) of in-memory arrays for this rank."""
 
-    def __init__(self, spec: ShardSpec, x: torch.Tensor, y: torch.Tensor | None, device: torch.device):
+    def __init__(self, spec: ShardSpec, x: torch.Tensor | np.ndarray, y, device: torch.device):
         super().__init__(spec)
         self.x, self.y, self.device = x, y, device
 
     def _iterate(self, epoch: int, batches: list) -> Iterator[Any]:
         non_blocking = self.device.type == "cuda"
         for indices, _ in batches:
-            idx = torch.from_numpy(indices)
-            xb = self.x.index_select(0, idx.to(self.x.device)).to(self.device, non_blocking=non_blocking)
+            xb = _take(self.x, indices).to(self.device, non_blocking=non_blocking)
             if self.y is None:
                 yield xb
             else:
-                yield xb, self.y.index_select(0, idx.to(self.y.device)).to(self.device, non_blocking=non_blocking)
+                yield xb, _take(self.y, indices).to(self.device, non_blocking=non_blocking)
 
 
 def array_loader(
@@ -68,13 +89,16 @@ def array_loader(
     """A loader over numpy arrays or tensors (first dimension = samples), sharded like ``image_loader``.
 
     Yields ``(x_batch, y_batch)`` torch tensors (``x_batch`` alone when ``y`` is None) on ``device``
-    (default: this rank's GPU if any, else CPU). No copies of the data are made up front.
+    (default: this rank's GPU if any, else CPU). No copies of the data are made up front: each batch
+    is gathered from ``x``/``y`` when it is needed (numpy inputs with numpy indexing, so any strides,
+    byte order or memmap work). A numpy ``uint16`` input gives ``torch.uint16`` batches, as
+    ``torch.from_numpy`` does.
     """
-    x_t = _as_tensor(x)
-    y_t = None if y is None else _as_tensor(y)
-    if x_t.dim() == 0:
+    x_t = _as_array(x, "x")
+    y_t = None if y is None else _as_array(y, "y")
+    if x_t.ndim == 0:
         raise ValueError("x must have a first (sample) dimension")
-    if y_t is not None and (y_t.dim() == 0 or y_t.shape[0] != x_t.shape[0]):
+    if y_t is not None and (y_t.ndim == 0 or y_t.shape[0] != x_t.shape[0]):
         raise ValueError(f"x and y must have the same number of samples, got {x_t.shape[0]} and {tuple(y_t.shape)}")
     rank, world_size = resolve_rank(rank, world_size)
     spec = ShardSpec(x_t.shape[0], batch_size, rank, world_size, seed, shuffle, last_batch)
@@ -110,10 +134,11 @@ class StreamLoader:
         self.source, self.batch_size, self.rank, self.world_size = source, batch_size, rank, world_size
         self.last_batch, self.sharded, self.collate, self.device = last_batch, sharded, collate, device
         self.epoch, self.batch = 0, 0
+        self._resume = False  # set by load_state_dict: the next pass skips the batches already done
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next pass at ``epoch``; a callable source is called with it to make the stream."""
-        self.epoch, self.batch = int(epoch), 0
+        self.epoch, self.batch, self._resume = int(epoch), 0, False
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "batch": self.batch, "world_size": self.world_size, "sharded": self.sharded}
@@ -122,12 +147,14 @@ class StreamLoader:
         if state.get("world_size", self.world_size) != self.world_size:
             raise ValueError(f"saved with world_size={state['world_size']}, now {self.world_size}: cannot resume")
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+        self._resume = self.batch > 0
 
     def _stream(self) -> Iterator[Any]:
         return iter(self.source(self.epoch) if callable(self.source) else self.source)
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, skip = self.epoch, self.batch
+        epoch, skip = self.epoch, self.batch if self._resume else 0
+        self.batch, self._resume = skip, False
         batches = self._sharded_batches() if self.sharded else self._round_robin_batches()
         for k, items in enumerate(batches):
             if k < skip:

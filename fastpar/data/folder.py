@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,8 @@ def _listing(paths: list[Path], limit: int = 5) -> str:
 
 
 def scan_image_folder(root: str | Path, *, strict: bool = True) -> ImageFolder:
-    """Find ``root/<class>/*.{jpg,jpeg,png}`` (case-insensitive suffixes; nested folders included).
+    """Find ``root/<class>/*.{jpg,jpeg,png}`` (case-insensitive suffixes; nested and symlinked folders
+    included; hidden files and folders, such as ``._x.jpg`` or ``.ipynb_checkpoints``, left out).
 
     Label k is the k-th class folder in sorted order. Raises a ValueError naming the problem for a
     missing root, a root without class folders, or no images at all. Files with other suffixes raise
@@ -59,11 +61,11 @@ def scan_image_folder(root: str | Path, *, strict: bool = True) -> ImageFolder:
     labels: list[int] = []
     unsupported: list[Path] = []
     for label, class_dir in enumerate(class_dirs):
-        for path in sorted(p for p in class_dir.rglob("*") if p.is_file()):
+        for path in _walk_files(class_dir):
             if path.suffix.lower() in IMAGE_SUFFIXES:
                 files.append(str(path))
                 labels.append(label)
-            elif path.name not in _IGNORED_NAMES and not path.name.startswith("."):
+            elif path.name not in _IGNORED_NAMES:
                 unsupported.append(path)
     if unsupported:
         message = f"{len(unsupported)} file(s) under {root} are not {'/'.join(IMAGE_SUFFIXES)} images: {_listing(unsupported)}"
@@ -79,6 +81,26 @@ def scan_image_folder(root: str | Path, *, strict: bool = True) -> ImageFolder:
     if empty:
         warnings.warn(f"{len(empty)} class folder(s) hold no images: {_listing(empty)}", stacklevel=2)
     return ImageFolder(root=root, classes=[d.name for d in class_dirs], files=files, labels=labels)
+
+
+def _walk_files(folder: Path) -> list[Path]:
+    """Files under ``folder``, sorted, following symlinked subfolders (data sets are often farms of
+    links) but not into a loop. Hidden files and folders are left out: macOS "._name.jpg" resource
+    forks and ".ipynb_checkpoints" copies have image suffixes without being samples."""
+    found: list[Path] = []
+    seen: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:  # a link back up the tree
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            path = Path(dirpath, name)
+            if not name.startswith(".") and path.is_file():  # is_file: a dangling link is no sample
+                found.append(path)
+    return sorted(found)
 
 
 def _counts(labels: list[int], classes: int) -> list[int]:

@@ -1,11 +1,13 @@
 """The public loader objects: a cursor over the epoch plan with set_epoch, len and exact resume.
 
 Cursor semantics (the same for every loader in fastpar.data): the loader remembers (epoch, batch),
-the next batch it will yield. Iterating yields from the cursor to the end of the epoch, then moves
-the cursor to (epoch + 1, 0), so successive passes reshuffle even without ``set_epoch``.
-``set_epoch(e)`` moves it to (e, 0); ``load_state_dict`` restores a saved cursor, and the next pass
-starts at that batch without decoding the ones before it. An iteration abandoned part-way leaves the
-cursor where it stopped. ``len(loader)`` is the number of batches in a full epoch.
+how far the data has been consumed; ``state_dict()`` saves it. A pass (``for ... in loader``) yields
+the whole of the current epoch, then moves the cursor to (epoch + 1, 0), so successive passes reshuffle
+even without ``set_epoch``. ``set_epoch(e)`` moves it to (e, 0). ``load_state_dict`` restores a saved
+cursor, and the *next* pass starts at that batch without decoding the ones before it. A pass abandoned
+part-way (``break``) leaves the cursor where it stopped, for a checkpoint; the next pass starts that
+epoch again from its first batch, like a DataLoader. So every pass yields ``len(loader)`` batches,
+except the one right after ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ class PlannedLoader:
         self.spec = spec
         self.epoch = 0
         self.batch = 0
+        self._resume = False  # set by load_state_dict: the next pass starts at self.batch, not at 0
 
     def __len__(self) -> int:
         return len(self.spec)
@@ -74,7 +77,7 @@ class PlannedLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next pass at the beginning of ``epoch`` (its own shuffle)."""
-        self.epoch, self.batch = int(epoch), 0
+        self.epoch, self.batch, self._resume = int(epoch), 0, False
 
     def state_dict(self) -> dict[str, Any]:
         """Where the next pass starts, plus the plan it refers to (checked on load)."""
@@ -106,9 +109,11 @@ class PlannedLoader:
         if not 0 <= batch <= len(self):
             raise ValueError(f"saved batch {batch} is outside this epoch's 0..{len(self)} batches")
         self.epoch, self.batch = (epoch + 1, 0) if batch == len(self) else (epoch, batch)
+        self._resume = self.batch > 0
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, start = self.epoch, self.batch
+        epoch, start = self.epoch, self.batch if self._resume else 0
+        self.batch, self._resume = start, False
         batches = rank_batches(self.spec, epoch)[start:]
         for output in self._iterate(epoch, batches):
             self.batch += 1  # before yielding: a state_dict taken inside the loop body resumes after this batch

@@ -23,7 +23,10 @@ class _BatchDecoder(torch.utils.data.Dataset):
     def __init__(self, files: Sequence[str], labels: np.ndarray, size: int, train: bool, seed: int, skip: bool):
         self.files, self.labels, self.size, self.train, self.seed, self.skip = files, labels, size, train, seed, skip
 
-    def __getitem__(self, item: tuple[int, np.ndarray, np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+    def __getitem__(
+        self, item: tuple[int, np.ndarray, np.ndarray]
+    ) -> tuple[torch.Tensor, torch.Tensor, list[str], str]:
+        """(images (B, H, W, 3) uint8, labels, skipped paths, error message or "")."""
         epoch, indices, positions = item
         seeds = sample_seeds(self.seed, epoch, positions)
         pixels, kept, corrupt = [], [], []
@@ -31,15 +34,17 @@ class _BatchDecoder(torch.utils.data.Dataset):
             try:
                 pixels.append(load_transformed(self.files[index], self.size, self.train, seed))
                 kept.append(index)
-            except CorruptImageError:
+            except CorruptImageError as exc:
                 if not self.skip:
-                    raise  # the DataLoader re-raises it in the main process, path in the message
+                    # Returned, not raised: a worker's exception reaches the user wrapped in DataLoader's
+                    # "Caught ... in DataLoader worker process" text; the main process raises it plainly.
+                    return torch.empty(0), torch.empty(0), [], str(exc)
                 corrupt.append(self.files[index])
         if pixels:
             images = torch.from_numpy(np.stack(pixels))  # (B, H, W, 3) uint8
         else:
             images = torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
-        return images, torch.from_numpy(self.labels[kept]), corrupt
+        return images, torch.from_numpy(self.labels[kept]), corrupt, ""
 
     def __len__(self) -> int:  # not used for sampling (the sampler is the plan); keeps DataLoader happy
         return len(self.files)
@@ -80,7 +85,15 @@ class TorchImageBackend:
             pin_memory=self.device.type == "cuda",
             prefetch_factor=2 if self.num_workers else None,
         )
-        for images, labels, corrupt in loader:
+        error = ""
+        for images, labels, corrupt, error in loader:
+            if error:
+                break
             if corrupt:
                 on_corrupt(corrupt)
             yield normalize_batch(images, self.mean, self.std, self.device), labels.to(self.device, non_blocking=True)
+        if error:  # raised after the loop, once the DataLoader's workers are shut down
+            del loader
+            raise CorruptImageError(
+                error + "; remove or replace it, or pass on_corrupt='skip' to skip undecodable images"
+            )

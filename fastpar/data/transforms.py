@@ -56,6 +56,19 @@ def centre_crop_box(width: int, height: int, size: int) -> tuple[float, float, f
     return left, top, left + side, top + side
 
 
+def _to_rgb(img, image_module):
+    """Any PIL image -> upright RGB, as DALI's decoders give it. Camera JPEGs store their rotation in EXIF
+    (DALI applies it, PIL does not by itself). 16-bit greyscale PNGs open as "I;16" (or "I" in old Pillow),
+    which ``convert("RGB")`` clips at 255 (an all-white image): keep their top 8 bits, as DALI does."""
+    from PIL import ImageOps
+
+    img = ImageOps.exif_transpose(img)
+    if img.mode.startswith("I;16") or (img.mode == "I" and img.getextrema()[1] > 255):
+        pixels = np.asarray(img).astype(np.uint32) >> 8
+        img = image_module.fromarray(pixels.astype(np.uint8), "L")
+    return img.convert("RGB")
+
+
 def load_transformed(path: str, size: int, train: bool, seed: int) -> np.ndarray:
     """Decode ``path`` and return the (size, size, 3) uint8 crop; raises CorruptImageError with the path."""
     from .._optional import require
@@ -63,7 +76,7 @@ def load_transformed(path: str, size: int, train: bool, seed: int) -> np.ndarray
     image_module = require("PIL.Image", extra="dev", purpose="the torch data backend")
     try:
         with image_module.open(path) as img:
-            img = img.convert("RGB")
+            img = _to_rgb(img, image_module)
     except Exception as exc:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ...)
         raise CorruptImageError(f"cannot decode image {path}: {type(exc).__name__}: {exc}") from None
     width, height = img.size

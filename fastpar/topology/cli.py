@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.from_file:
-            text = sys.stdin.read() if args.from_file == "-" else open(args.from_file).read()
+            text = _read_saved_output(args.from_file)
             topology = Topology.from_nvidia_smi(text, source=f"nvidia-smi topo -m: {args.from_file}")
         else:
             topology = discover()
@@ -154,6 +154,27 @@ def main(argv: list[str] | None = None) -> int:
         if selection is not None:
             print("\n" + str(selection))
     return 0
+
+
+def _read_saved_output(path: str) -> str:
+    """The text of a saved `nvidia-smi topo -m`, whatever wrote it: UTF-8 (with or without BOM) or the UTF-16
+    that Windows PowerShell's ``>`` produces. Raises ValueError for empty or binary files."""
+    data = sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()
+    where = "stdin" if path == "-" else path
+    if not data.strip():
+        raise ValueError(f"{where} is empty; save the output of `nvidia-smi topo -m` into it")
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        encoding = "utf-16"
+    elif b"\x00" in data[:200] and len(data) % 2 == 0:
+        encoding = "utf-16-le" if data[1:2] == b"\x00" else "utf-16-be"
+    else:
+        encoding = "utf-8-sig"
+    try:
+        return data.decode(encoding)
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"{where} is not text (not UTF-8 or UTF-16); expected the saved output of `nvidia-smi topo -m`"
+        ) from None
 
 
 def _selection(topology: Topology, args: argparse.Namespace) -> Selection | None:

@@ -3,8 +3,10 @@
 Handles: tab- or space-aligned columns (and headers that mix both, or lost their tabs: "GPU0GPU1"),
 ``X``/``NV#``/``PIX``/``PXB``/``PHB``/``NODE``/``SYS`` and the pre-2017 ``SOC``, NIC columns named
 ``NIC#`` (renamed by a trailing "NIC Legend:") or named ``mlx5_#`` directly, ``CPU Affinity`` as ranges or
-lists, ``NUMA Affinity``/``GPU NUMA ID`` present, absent or ``N/A``, ANSI underline escapes, and an
-optional legend. Anything else gets a ValueError naming the line and what was wrong with it.
+lists, ``NUMA Affinity``/``GPU NUMA ID`` present, absent or ``N/A``, ANSI escapes (also with the ESC byte
+lost in a copy), a byte-order mark, CRLF, indentation, markdown quotes (``> ``) and tables (``| a | b |``), and
+an optional legend. Only the first matrix counts: text pasted after its legend (``nvidia-smi topo -p2p``'s
+matrix, say) is ignored. Anything else gets a ValueError naming the line and what was wrong with it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import re
 
 from .model import GPU, NIC, Link, NumaNode, Topology, parse_cpu_list
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# CSI escapes (colour, underline, erase); "[4m"/"[0m" remnants whose ESC byte a copy/paste dropped.
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\[[0-9;]*m")
+_QUOTE = re.compile(r"^\s*(?:>\s?)+")  # markdown/email quote markers
+# `nvidia-smi topo -p2p` status words: a P2P matrix given instead of `topo -m` deserves its own hint.
+_P2P_WORDS = {"OK", "CNS", "GNS", "TNS", "NS", "DR", "U"}
 # Multi-word trailing columns first, then GPU names (so "GPU0GPU1" splits), then any other name.
 _HEADER_TOKEN = re.compile(r"CPU Affinity|NUMA Affinity|GPU NUMA ID|GPU\d+|\S+")
 _TRAILING = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
@@ -32,18 +38,33 @@ def _cell(token: str, lineno: int, row: str, column: str) -> tuple[str, int]:
     match = _NV.match(token)
     if match:
         return "SYS", int(match.group(1))  # PCIe class behind an NVLink pair is not printed
+    hint = (
+        " (this looks like `nvidia-smi topo -p2p` output; save `nvidia-smi topo -m` instead)"
+        if token in _P2P_WORDS
+        else ""
+    )
     raise ValueError(
-        f"line {lineno}: cell {row}/{column} is {token!r}; expected X, NV#, PIX, PXB, PHB, NODE, SYS or SOC"
+        f"line {lineno}: cell {row}/{column} is {token!r}; expected X, NV#, PIX, PXB, PHB, NODE, SYS or SOC{hint}"
     )
 
 
-def _find_header(lines: list[str]) -> int:
+def _clean(line: str) -> str:
+    """One line as nvidia-smi printed it: no escapes, BOM, quote markers or markdown table pipes."""
+    line = _QUOTE.sub("", _ANSI.sub("", line).replace("\ufeff", ""))
+    return line.replace("|", " ") if line.lstrip().startswith("|") else line
+
+
+def _is_header(line: str) -> bool:
     """The header names GPU0 as a column; a row starts with GPU0 followed by a cell (X, NV#, ...)."""
+    tokens = _HEADER_TOKEN.findall(line)
+    if "GPU0" not in tokens:
+        return False
+    return tokens[0] != "GPU0" or len(tokens) == 1 or bool(_GPU_NAME.match(tokens[1])) or tokens[1] in _TRAILING
+
+
+def _find_header(lines: list[str]) -> int:
     for i, line in enumerate(lines):
-        tokens = _HEADER_TOKEN.findall(line)
-        if "GPU0" not in tokens:
-            continue
-        if tokens[0] != "GPU0" or len(tokens) == 1 or _GPU_NAME.match(tokens[1]) or tokens[1] in _TRAILING:
+        if _is_header(line):
             return i
     raise ValueError("no header line naming GPU0 found; is this `nvidia-smi topo -m` output?")
 
@@ -57,7 +78,7 @@ def _parse_optional_int(token: str, lineno: int, what: str) -> list[int]:
 
 def parse_topo_matrix(text: str, *, source: str = "nvidia-smi topo -m") -> Topology:
     """Build a Topology from ``nvidia-smi topo -m`` text. Raises ValueError naming the bad line."""
-    lines = _ANSI.sub("", text).splitlines()
+    lines = [_clean(line) for line in text.splitlines()]
     header_at = _find_header(lines)
     header = _HEADER_TOKEN.findall(lines[header_at])
     trailing = [t for t in header if t in _TRAILING]
@@ -72,21 +93,25 @@ def parse_topo_matrix(text: str, *, source: str = "nvidia-smi topo -m") -> Topol
 
     rows: dict[str, tuple[int, list[str]]] = {}
     legend: dict[str, str] = {}
-    in_nic_legend = False
+    section = "matrix"  # -> "after" at the legend or at a second matrix header -> "nic legend"
     for i in range(header_at + 1, len(lines)):
         lineno, line = i + 1, lines[i]
-        stripped = line.strip()
+        stripped = " ".join(line.split())
         if not stripped:
             continue
         if stripped.startswith("NIC Legend"):
-            in_nic_legend = True
+            section = "nic legend"
             continue
-        if in_nic_legend:
+        if section == "nic legend":
             entry = _LEGEND_ENTRY.match(line)
             if entry:
                 legend[entry.group(1)] = entry.group(2)
+            elif not stripped.startswith("NIC"):
+                section = "after"  # the legend ended; whatever follows is not ours
             continue
-        if stripped.startswith("Legend"):
+        if stripped.startswith("Legend") or _is_header(line):
+            section = "after"
+        if section != "matrix":
             continue
         tokens = stripped.split()
         if tokens[0] in devices:

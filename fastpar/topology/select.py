@@ -56,6 +56,7 @@ class Selection:
     why_not_runner_up: str
     busy: dict[int, str] = field(default_factory=dict)
     sets_scored: int = 0
+    numa_unknown: list[int] = field(default_factory=list)  # selected GPUs whose NUMA node nvidia-smi did not know
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,6 +64,8 @@ class Selection:
     def __str__(self) -> str:
         gpus = ",".join(map(str, self.devices))
         numa = ",".join(map(str, self.numa_nodes)) if self.numa_nodes else "unknown"
+        if self.numa_nodes and self.numa_unknown:
+            numa += f" (unknown for GPU{',GPU'.join(map(str, self.numa_unknown))})"
         lines = [
             f"selected GPUs {gpus}",
             f"  slowest link: {self.slowest_link}",
@@ -84,6 +87,7 @@ class _Scorer:
         self.topology = topology
         self.bw = {(ln.a, ln.b): link_gbps(ln) for ln in topology.links}
         self.numa = {g.index: g.numa_node for g in topology.gpus}
+        self.place = _places(topology)
         rdma = topology.rdma_nics
         self.nic_rank = {
             g: max((_NIC_RANK.get(n.gpu_paths.get(g, "SYS"), 0) for n in rdma), default=0) for g in candidates
@@ -93,9 +97,26 @@ class _Scorer:
         return self.bw.get((min(a, b), max(a, b)), PCIE_GBPS["SYS"])
 
     def score(self, devices: tuple[int, ...], slowest: float, total: float) -> tuple:
-        numa_count = len({self.numa[d] for d in devices if self.numa[d] is not None})
+        numa_count = len({self.place[d] for d in devices if self.place[d] is not None})
         nic = min(self.nic_rank[d] for d in devices)
         return (slowest, -numa_count, nic, total)
+
+
+def _places(topology: Topology) -> dict[int, object]:
+    """Where each GPU sits, for counting NUMA nodes: its NUMA node; when nvidia-smi printed N/A, the node of a
+    GPU with the same CPU affinity, else the CPU affinity itself (GPUs with different CPU sets are on different
+    sockets, so an unknown node must not count as 'the same node'). None when nothing is known."""
+    by_cpus = {tuple(g.cpu_affinity): g.numa_node for g in topology.gpus if g.numa_node is not None}
+    places: dict[int, object] = {}
+    for g in topology.gpus:
+        cpus = tuple(g.cpu_affinity)
+        if g.numa_node is not None:
+            places[g.index] = g.numa_node
+        elif cpus in by_cpus:
+            places[g.index] = by_cpus[cpus]
+        else:
+            places[g.index] = ("cpus", cpus) if cpus else None
+    return places
 
 
 def _search(scorer: _Scorer, candidates: list[int], k: int) -> tuple[list[tuple], int]:
@@ -202,6 +223,7 @@ def select_devices(
         why_not_runner_up=_why(best, top[1], topology, scorer) if len(top) > 1 else "it is the only possible set",
         busy=busy if exclude_busy else {},
         sets_scored=scored,
+        numa_unknown=[d for d in devices if scorer.numa[d] is None],
     )
 
 
