@@ -8,6 +8,7 @@ camera rotation in EXIF, macOS/Jupyter debris, symlink farms, worker errors, a p
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -120,19 +121,31 @@ def test_corrupt_image_in_a_worker_is_raised_plainly(tmp_path):
     assert "DataLoader worker" not in message
 
 
-def _children() -> int:
+def _children() -> set[int]:
+    """Live child processes of this process (earlier tests may leave e.g. multiprocessing's resource tracker)."""
     me = str(os.getpid())
-    count = 0
+    pids = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            count += open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1] == me
+            stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
         except OSError:
-            pass
-    return count
+            continue
+        if stat[1] == me and stat[0] != "Z":
+            pids.add(int(pid))
+    return pids
+
+
+def _new_children(before: set[int], wait_s: float = 5.0) -> set[int]:
+    """Children started since ``before`` that are still alive after up to ``wait_s`` (workers exit asynchronously)."""
+    deadline = time.monotonic() + wait_s
+    while (new := _children() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return new
 
 
 @pytest.mark.parametrize(("backend", "workers"), [("torch", 2), pytest.param("dali", 2, marks=BACKENDS[1].marks)])
 def test_a_pass_abandoned_with_break_leaks_nothing_and_the_next_pass_is_whole(modes_folder, backend, workers):
+    before = _children()
     ld = load(modes_folder, backend, batch_size=2, num_threads=workers)
     full = [y.tolist() for _, y in ld]  # epoch 0
     ld.set_epoch(0)
@@ -141,7 +154,7 @@ def test_a_pass_abandoned_with_break_leaks_nothing_and_the_next_pass_is_whole(mo
             if k == 1:
                 break
         assert ld.state_dict()["batch"] == 2  # a checkpoint taken now resumes after the two batches
-    assert _children() == 0  # the DataLoader's workers are gone
+    assert _new_children(before) == set()  # the DataLoader's workers are gone
     assert [y.tolist() for _, y in ld] == full  # a new pass: the whole epoch again, like a DataLoader
     assert len(full) == len(ld) and ld.state_dict()["epoch"] == 1
 
