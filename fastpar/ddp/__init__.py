@@ -1,0 +1,11 @@
+"""Gradient synchronisation: a drop-in ``DistributedDataParallel`` and coalesced collectives."""
+
+from __future__ import annotations
+
+from .coalesced import all_reduce_coalesced
+from .distributed import DistributedDataParallel
+from .errors import BucketTimeoutError, UnusedParametersError
+
+DDP = DistributedDataParallel
+
+__all__ = ["DDP", "BucketTimeoutError", "DistributedDataParallel", "UnusedParametersError", "all_reduce_coalesced"]

@@ -1,0 +1,95 @@
+"""Run torch DDP communication hooks (``register_comm_hook``) on fastpar buckets.
+
+torch's hooks (``default_hooks.allreduce_hook``, ``fp16_compress_hook``, PowerSGD, ...) receive a
+``dist.GradBucket``; :class:`GradBucket` offers the same methods over a fastpar bucket, and
+:func:`hook_result` turns what the hook's future yields back into the bucket's flat buffer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .buckets import Bucket
+
+__all__ = ["GradBucket", "check_comm_hook", "hook_result", "builtin_hook"]
+
+
+class GradBucket:
+    """The bucket object a comm hook sees: a flat ``buffer()`` (not divided by world size) and its parameters."""
+
+    def __init__(self, bucket: Bucket, buffer: torch.Tensor, is_last: bool) -> None:
+        self._bucket = bucket
+        self._buffer = buffer
+        self._is_last = is_last
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        if buffer.numel() != self._buffer.numel():
+            raise ValueError(
+                f"GradBucket.set_buffer: bucket {self.index()} holds {self._buffer.numel()} elements, "
+                f"the new buffer {buffer.numel()}; pass a tensor of the same size"
+            )
+        self._buffer = buffer
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Views of ``buffer()`` shaped like each parameter."""
+        out, offset = [], 0
+        flat = self._buffer.view(-1)
+        for p in self._bucket.params:
+            out.append(flat.narrow(0, offset, p.numel()).view(p.shape))
+            offset += p.numel()
+        return out
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._bucket.params)
+
+
+def check_comm_hook(hook: Callable) -> None:
+    """Refuse what torch refuses: a non-callable, or annotations that are not torch's hook signature."""
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable, got {type(hook).__name__}")
+    params = list(inspect.signature(hook).parameters.values())
+    if len(params) != 2:
+        raise ValueError(
+            f"Communication hook {getattr(hook, '__qualname__', hook)} must take (state, bucket), "
+            f"got {len(params)} parameters"
+        )
+    annotation = params[1].annotation
+    if annotation not in (inspect.Parameter.empty, dist.GradBucket, "dist.GradBucket", "GradBucket"):
+        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+
+
+def hook_result(value) -> torch.Tensor:
+    """The tensor a comm hook's future completed with (torch allows a one-element list)."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ValueError(f"a comm hook's future must hold one tensor, got {len(value)}")
+        value = value[0]
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"a comm hook's future must hold a tensor, got {type(value).__name__}")
+    return value
+
+
+def builtin_hook(comm_hook_type) -> Callable:
+    """The Python hook equivalent to a ``dist.BuiltinCommHookType``."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    table = {
+        dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+        dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
+    }
+    if comm_hook_type not in table:
+        raise ValueError(f"unknown built-in comm hook {comm_hook_type}; use ALLREDUCE or FP16_COMPRESS")
+    return table[comm_hook_type]

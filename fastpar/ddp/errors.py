@@ -1,0 +1,98 @@
+"""Errors that say what went wrong and what to do, instead of hangs and riddles.
+
+A bucket whose collective does not finish within the process group's timeout is diagnosed through
+the process group's store: every rank that times out posts where it is waiting, waits a short grace
+period for the others, and the error names the ranks that never arrived at the same bucket.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["UnusedParametersError", "BucketTimeoutError", "pg_timeout_seconds", "StuckBucketDiagnoser"]
+
+
+class UnusedParametersError(RuntimeError):
+    """Parameters that require grad got no gradient in a synchronised backward pass."""
+
+    def __init__(self, names: Sequence[str], total: int) -> None:
+        shown = ", ".join(names[:20]) + (f", ... ({len(names) - 20} more)" if len(names) > 20 else "")
+        super().__init__(
+            f"fastpar DDP: {len(names)} of {total} parameters received no gradient in this backward pass: {shown}. "
+            "Their buckets cannot be reduced. Either pass find_unused_parameters=True to DistributedDataParallel "
+            "(if which parameters are used changes between steps), or set requires_grad=False on parameters "
+            "that are never used, or make the loss depend on every output of forward()."
+        )
+        self.names = list(names)
+
+
+class BucketTimeoutError(RuntimeError):
+    """A bucket's collective did not complete: some rank never reached it."""
+
+
+def pg_timeout_seconds(group: dist.ProcessGroup, device: torch.device) -> float:
+    """The collective timeout of ``group`` for tensors on ``device`` (torch's default if unknown)."""
+    try:
+        backend = group._get_backend(torch.device(device.type))
+        timeout = backend.options._timeout
+        if isinstance(timeout, datetime.timedelta) and timeout.total_seconds() > 0:
+            return timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):
+        pass
+    return dist.distributed_c10d.default_pg_timeout.total_seconds()
+
+
+class StuckBucketDiagnoser:
+    """Finds which ranks are missing from a bucket's collective, through the process group's store."""
+
+    def __init__(self, group: dist.ProcessGroup, instance_id: int) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.world_size = group.size()
+        self.prefix = f"fastpar_ddp/{instance_id}"
+
+    def _store(self):
+        return dist.distributed_c10d._get_process_group_store(self.group)
+
+    def diagnose(
+        self, step: int, bucket_index: int, names: Sequence[str], grace_s: float, cause: BaseException
+    ) -> BucketTimeoutError:
+        """Post this rank's position, wait up to ``grace_s`` for the others, and build the error."""
+        where = f"step {step} bucket {bucket_index}"
+        peers: dict[int, str | None] = {}
+        store_problem = ""
+        try:
+            store = self._store()
+            store.set(f"{self.prefix}/at/{self.rank}", where)
+            deadline = time.monotonic() + grace_s
+            others = [r for r in range(self.world_size) if r != self.rank]
+            while True:
+                for r in others:
+                    if peers.get(r) != where and store.check([f"{self.prefix}/at/{r}"]):
+                        peers[r] = store.get(f"{self.prefix}/at/{r}").decode()
+                if all(peers.get(r) == where for r in others) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except Exception as exc:  # the store lives on rank 0: it may be gone too
+            store_problem = f" (the rendezvous store could not be read: {exc})"
+        missing = [r for r in range(self.world_size) if r != self.rank and peers.get(r) != where]
+        detail = "; ".join(
+            f"rank {r} " + (f"is waiting at {peers[r]}" if peers.get(r) else "reported nothing") for r in missing
+        )
+        shown = ", ".join(names[:10]) + (f", ... ({len(names) - 10} more)" if len(names) > 10 else "")
+        if missing:
+            who = f"rank(s) {missing} never reached it ({detail}){store_problem}"
+        else:
+            who = f"every rank reached it, so the transport itself failed{store_problem}"
+        return BucketTimeoutError(
+            f"fastpar DDP: rank {self.rank} waited for the all-reduce of gradient bucket {bucket_index} "
+            f"(step {step}; parameters {shown}) and it did not complete: {who}. A rank that skips backward(), "
+            "runs a different number of steps, or runs forward under no_sync() while others do not, leaves its "
+            "peers waiting; use model.join() for uneven inputs. Underlying error: "
+            f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+        )

@@ -1,0 +1,46 @@
+"""all_reduce_coalesced: same result as one all_reduce per tensor, for mixed dtypes and tiny caps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastpar._spawn import spawn
+from fastpar.ddp.coalesced import plan_coalesced_buckets
+
+
+def _coalesced_rank(rank: int, world_size: int, cap_mb: float) -> bool:
+    import torch.distributed as dist
+
+    from fastpar.ddp import all_reduce_coalesced
+
+    g = torch.Generator().manual_seed(rank)
+    shapes = [(3, 5), (7,), (128, 33), (1,), (0,), (64, 64)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16, torch.float32, torch.float32]
+    tensors = [torch.randn(s, generator=g).to(d) for s, d in zip(shapes, dtypes, strict=True)]
+    expected = [t.clone() for t in tensors]
+    for t in expected:
+        dist.all_reduce(t)
+        t.copy_((t.float() * 0.5).to(t.dtype))
+    all_reduce_coalesced(tensors, bucket_cap_mb=cap_mb, scale=0.5)
+    return all(torch.equal(a, b) for a, b in zip(tensors, expected, strict=True))
+
+
+@pytest.mark.parametrize("cap_mb", [25.0, 0.01])
+def test_all_reduce_coalesced_matches_per_tensor(cap_mb):
+    assert spawn(_coalesced_rank, 2, cap_mb, timeout=120) == [True, True]
+
+
+def test_plan_keeps_one_dtype_per_bucket_and_respects_cap():
+    ts = [torch.zeros(1000), torch.zeros(1000, dtype=torch.bfloat16), torch.zeros(1000), torch.zeros(300000)]
+    buckets = plan_coalesced_buckets(ts, bucket_cap_mb=0.01)  # 10 KiB: two fp32 1000-element tensors fit
+    for b in buckets:
+        assert len({ts[i].dtype for i in b}) == 1
+    assert sorted(i for b in buckets for i in b) == [0, 1, 2, 3]
+    assert [3] in buckets  # larger than the cap: alone
+    assert [0, 2] in buckets
+
+
+def test_plan_rejects_nonpositive_cap():
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        plan_coalesced_buckets([torch.zeros(1)], bucket_cap_mb=0)
