@@ -44,8 +44,12 @@ def _extensions():
             "and set CUDA_HOME to the toolkit folder whose include/ holds cuda_runtime_api.h."
         )
     sources = [str(p.relative_to(ROOT)) for p in sorted(CSRC.glob("*.cpp"))]
-    # -ffp-contract=off: no fused multiply-add, so results match the pure-torch reference bit for bit
-    cxx = ["-O3", "-ffp-contract=off"]
+    # -ffp-contract=off: no fused multiply-add, so results match the pure-torch reference bit for bit.
+    # -fopenmp: at::parallel_for is a header-inline `omp parallel` when torch's backend is OpenMP; without the
+    # flag it silently runs on one thread.
+    openmp = ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
+    cxx = ["-O3", "-ffp-contract=off", *openmp]
+    link = openmp
     if with_cuda:
         sources += [str(p.relative_to(ROOT)) for p in sorted((CSRC / "cuda").glob("*.cu"))]
         ext = cpp_extension.CUDAExtension(
@@ -54,9 +58,12 @@ def _extensions():
             include_dirs=[str(CSRC)],
             define_macros=[("FASTPAR_WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--fmad=false"]},
+            extra_link_args=link,
         )
     else:
-        ext = cpp_extension.CppExtension("fastpar._C", sources, include_dirs=[str(CSRC)], extra_compile_args=cxx)
+        ext = cpp_extension.CppExtension(
+            "fastpar._C", sources, include_dirs=[str(CSRC)], extra_compile_args=cxx, extra_link_args=link
+        )
     return [ext], {"build_ext": cpp_extension.BuildExtension}
 
 

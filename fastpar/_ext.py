@@ -81,19 +81,23 @@ def _jit_build() -> ModuleType:
         raise RuntimeError("C++ sources (csrc/) are not shipped with this installation")
     with_cuda = cuda_build_wanted(default=_cuda_toolkit_usable() and torch.cuda.is_available())
     sources = extension_sources(root, with_cuda)
-    digest = hashlib.sha256(torch.__version__.encode())
+    # Same flags as setup.py: no FMA contraction (bit-exact with the torch reference), OpenMP for at::parallel_for.
+    openmp = ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
+    cflags = ["-O3", "-ffp-contract=off", *openmp] + (["-DFASTPAR_WITH_CUDA"] if with_cuda else [])
+    cuda_cflags = ["-O3", "--fmad=false", "-DFASTPAR_WITH_CUDA"]
+    digest = hashlib.sha256(f"{torch.__version__} {cflags} {cuda_cflags}".encode())
     for src in sources + sorted(root.rglob("*.h")) + sorted(root.rglob("*.cuh")):
         digest.update(src.read_bytes())
     tag = f"fastpar_C_{'cuda' if with_cuda else 'cpu'}_{digest.hexdigest()[:12]}"
     cache = Path(os.environ.get("FASTPAR_JIT_DIR", Path.home() / ".cache" / "fastpar")) / tag
     cache.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-DFASTPAR_WITH_CUDA"] if with_cuda else ["-O3"]
     with _file_lock(cache / ".lock"):
         return cpp_extension.load(
             name=tag,
             sources=[str(s) for s in sources],
-            extra_cflags=flags,
-            extra_cuda_cflags=["-O3", "-DFASTPAR_WITH_CUDA"],
+            extra_cflags=cflags,
+            extra_cuda_cflags=cuda_cflags,
+            extra_ldflags=openmp,
             extra_include_paths=[str(root)],
             build_directory=str(cache),
             with_cuda=with_cuda,
@@ -119,7 +123,11 @@ def _load() -> dict:
     if mode in ("auto", "jit"):
         try:
             module = _jit_build()
-            return {"backend": "jit", "module": module, "reason": f"built on first use into {Path(module.__file__).parent}"}
+            return {
+                "backend": "jit",
+                "module": module,
+                "reason": f"built on first use into {Path(module.__file__).parent}",
+            }
         except Exception as exc:  # a missing compiler shows up as many exception types
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             reasons.append(f"JIT build failed ({first_line})")
