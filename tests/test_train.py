@@ -1,22 +1,28 @@
-"""fastpar.Trainer on CPU with 2 gloo ranks started by torch's elastic launcher.
+"""fastpar.Trainer on CPU: 2 gloo ranks started by torch's elastic launcher, and single in-process runs.
 
-One uninterrupted run is the reference; a stopped-then-resumed run and a run whose rank 1 is killed
-with SIGKILL mid-epoch (and restarted by the elastic agent) must end with bit-identical parameters.
+The 2-rank torch-DDP run is the reference: fastpar's DDP must give the same bits, a run resumed from
+a mid-run checkpoint and a run whose rank 1 is SIGKILLed mid-epoch (restarted by the elastic agent)
+must end with bit-identical parameters. Launches are few and shared through module-scoped fixtures;
+everything that needs no second process runs in this one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from fastpar.train import ExecutionEnvironmentError, Trainer, TrainingOptions, environment
 from fastpar.train import checkpoint as ckpt
+from fastpar.train.data import make_loader
+from fastpar.train.loop import INFO_KEYS
 
 CLASSES = 3
 
@@ -38,16 +44,27 @@ def blobs(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return centres[y] + torch.randn(n, 8, generator=g), y
 
 
+class Blobs(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        self.x, self.y = blobs(n, seed)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
 class StopAt:
     """Output function: logs every info record to a file and asks to stop at ``step``."""
 
     def __init__(self, step: int, log: str) -> None:
         self.step, self.log = step, log
 
-    def __call__(self, info: dict) -> bool:
+    def __call__(self, info: dict):
         with open(self.log, "a") as fh:
-            fh.write(json.dumps({k: info[k] for k in ("state", "iteration", "epoch")}) + "\n")
-        return info["state"] == "iteration" and info["iteration"] >= self.step
+            fh.write(json.dumps(info) + "\n")
+        return np.bool_(info["state"] == "iteration" and info["iteration"] >= self.step)  # truthy, not `True`
 
 
 class KillingLoss:
@@ -75,8 +92,8 @@ def options(tmp: Path, **overrides) -> TrainingOptions:
     return TrainingOptions(**{**base, **overrides})
 
 
-def fit(tmp: Path, loss_fn=torch.nn.functional.cross_entropy, **overrides):
-    return Trainer(make_model, make_optimizer, loss_fn, TRAIN, options=options(tmp, **overrides)).fit()
+def fit(tmp: Path, loss_fn=torch.nn.functional.cross_entropy, data=TRAIN, **overrides):
+    return Trainer(make_model, make_optimizer, loss_fn, data, options=options(tmp, **overrides)).fit()
 
 
 def assert_same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -84,15 +101,28 @@ def assert_same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x, y), f"{name} differs: max |diff| {(x - y).abs().max().item():.3g}"
 
 
+def losses_after(result, step: int) -> list[float]:
+    return [r["loss"] for r in result.history if r["iteration"] > step]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("reference")
-    return fit(tmp, plots="training-progress")
+    """2 ranks, torch DDP, the progress plot."""
+    return fit(tmp_path_factory.mktemp("reference"), plots="training-progress")
+
+
+@pytest.fixture(scope="module")
+def fastpar_run(tmp_path_factory):
+    """The same run on fastpar's DDP, keeping a checkpoint every 4 steps."""
+    tmp = tmp_path_factory.mktemp("fastpar")
+    result = fit(tmp, ddp="fastpar", checkpoint_dir=str(tmp / "ck"), checkpoint_every=4, keep_checkpoints=9)
+    return result, tmp / "ck"
 
 
 # --- 2-rank runs ----------------------------------------------------------------------------------
 def test_run_learns_and_writes_metrics_and_plot(reference):
     history = reference.history
+    assert isinstance(reference.model, torch.nn.Sequential)  # a trained module, not a state dict
     assert reference.steps == STEPS and not reference.stopped_early
     assert history[-1]["loss"] < 0.7 * history[0]["loss"]
     assert reference.last("val_accuracy") > 1 / CLASSES + 0.35  # chance is 1/3
@@ -112,31 +142,42 @@ def test_run_learns_and_writes_metrics_and_plot(reference):
         assert min(image.size) > 200
 
 
-def test_fastpar_ddp_gives_the_same_result_as_torch_ddp(reference, tmp_path):
-    ddp = pytest.importorskip("fastpar.ddp")
-    if not hasattr(ddp, "DistributedDataParallel"):
-        pytest.skip("fastpar.DistributedDataParallel is not in this tree yet")
-    result = fit(tmp_path, ddp="fastpar")
-    for (name, x), (_, y) in zip(result.model.state_dict().items(), reference.model.state_dict().items(), strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=f"{name} differs between fastpar and torch DDP")
-    assert result.last("val_accuracy") == pytest.approx(reference.last("val_accuracy"), abs=0.02)
+def test_fastpar_ddp_gives_bit_identical_results_to_torch_ddp(reference, fastpar_run):
+    result, _ = fastpar_run
+    assert result.steps == STEPS
+    assert_same_parameters(result.model, reference.model)  # fp32 on gloo: same buckets' sums, same bits
+    assert [r["loss"] for r in result.history] == [r["loss"] for r in reference.history]
+    assert result.last("val_accuracy") == reference.last("val_accuracy")
 
 
-def test_output_function_stops_and_resume_matches_uninterrupted_run(reference, tmp_path):
+def test_resume_mid_run_from_a_dataloader_and_output_function_stops_every_rank(reference, fastpar_run, tmp_path):
+    """Resume at step 12 of the fastpar run (now on torch DDP) with the same samples given as a torch DataLoader
+    made in the launcher (re-planned per rank: 18 steps/epoch, not 36); an output function's truthy answer
+    at step 24 stops both ranks there, with exactly the fastpar run's parameters of step 24."""
+    _, ckdir = fastpar_run
+    assert [p.name for p in ckpt.list_checkpoints(ckdir)] == [f"ckpt-{s:09d}.pt" for s in range(4, STEPS + 1, 4)]
+    (tmp_path / "ck").mkdir()
+    shutil.copy(ckdir / "ckpt-000000012.pt", tmp_path / "ck")  # as if the run had stopped at step 12
     log = tmp_path / "calls.jsonl"
-    ckdir = tmp_path / "ck"
-    stopped = fit(tmp_path, output_fns=[StopAt(12, str(log))], checkpoint_dir=str(ckdir), checkpoint_every=4,
-                  keep_checkpoints=2)  # fmt: skip
-    assert stopped.stopped_early and stopped.steps == 12
-    calls = [json.loads(line) for line in log.read_text().splitlines()]
-    assert calls[0]["state"] == "start" and calls[-1]["state"] == "done"
-    assert [c["iteration"] for c in calls if c["state"] == "iteration"] == [4, 8, 12]
-    assert [Path(p).name for p in stopped.checkpoints] == ["ckpt-000000008.pt", "ckpt-000000012.pt"]  # last 2 kept
+    loader = torch.utils.data.DataLoader(Blobs(576, seed=1), batch_size=16, shuffle=True)
+    resumed = fit(tmp_path, data=loader, output_fns=[StopAt(24, str(log))], checkpoint_dir=str(tmp_path / "ck"),
+                  checkpoint_every=8, resume=True)  # fmt: skip
+    assert resumed.stopped_early and resumed.steps == 24 and resumed.history[-1]["epoch"] == 1
+    at_24 = torch.load(ckdir / "ckpt-000000024.pt", weights_only=True)["model"]
+    for name, value in resumed.model.state_dict().items():
+        assert torch.equal(value, at_24[name]), f"{name} differs from the uninterrupted run at step 24"
+    assert losses_after(resumed, 12) == [r["loss"] for r in reference.history if 12 < r["iteration"] <= 24]
+    assert [Path(p).name for p in resumed.checkpoints] == [f"ckpt-{s:09d}.pt" for s in (12, 16, 24)]
 
-    resumed = fit(tmp_path, checkpoint_dir=str(ckdir), checkpoint_every=4, resume=True)
-    assert resumed.steps == STEPS
-    assert_same_parameters(resumed.model, reference.model)
-    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in reference.history]
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls[0]["state"] == "start" and calls[0]["iteration"] == 12 and calls[-1]["state"] == "done"
+    assert [c["iteration"] for c in calls if c["state"] == "iteration"] == list(range(13, 25))  # every step
+    for call in calls:
+        assert set(call) == set(INFO_KEYS)
+    at_18 = next(c for c in calls if c["iteration"] == 18)
+    assert at_18["val_loss"] > 0 and 0 <= at_18["val_accuracy"] <= 1 and at_18["lr"] == 0.05
+    assert at_18["loss"] > 0 and 0 <= at_18["accuracy"] <= 1 and at_18["elapsed"] > 0 and at_18["epoch"] == 0
+    assert calls[-1]["iteration"] == 24 and calls[-1]["total_steps"] == STEPS
 
 
 def test_killed_worker_restarts_and_ends_bit_identical(reference, tmp_path):
@@ -148,14 +189,111 @@ def test_killed_worker_restarts_and_ends_bit_identical(reference, tmp_path):
 
 
 # --- one process, in this process -------------------------------------------------------------------
+def single(tmp: Path, model=make_model, optimizer=make_optimizer, loss_fn=torch.nn.functional.cross_entropy,
+           data=TRAIN, **overrides):  # fmt: skip
+    opts = options(tmp, devices=1, **overrides)
+    return Trainer(model, optimizer, loss_fn, data, options=opts).fit()
+
+
 def test_single_process_trains_the_given_module_in_place(tmp_path):
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    opts = options(tmp_path, devices=1, max_epochs=1, grad_accum_steps=2, grad_clip_norm=1.0, mixed_precision=True)
-    result = Trainer(model, optimizer, torch.nn.functional.cross_entropy, TRAIN, options=opts).fit()
+    result = single(tmp_path, model, optimizer, max_epochs=1, grad_clip_norm=1.0, mixed_precision=True)
     assert result.model is model
-    assert result.steps == 576 // 16 // 2
+    assert result.steps == 576 // 16
     assert result.last("val_accuracy") > 0.6
+
+
+def test_gradient_accumulation_equals_a_larger_batch(tmp_path):
+    accumulated = single(tmp_path / "a", batch_size=8, grad_accum_steps=2, max_epochs=1)
+    large = single(tmp_path / "b", batch_size=16, max_epochs=1)
+    assert accumulated.steps == large.steps == 576 // 16
+    for name, x in accumulated.model.state_dict().items():
+        y = large.model.state_dict()[name]
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=f"{name}: accumulation differs from one batch")
+
+
+def make_regressor() -> torch.nn.Module:
+    return torch.nn.Linear(8, 1)
+
+
+def test_regression_from_float64_numpy_arrays(tmp_path):
+    """numpy's default float64 inputs and targets train a float32 model; no accuracy for regression."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((512, 8))  # float64
+    y = x @ np.arange(8.0)[:, None] + 0.01 * rng.standard_normal((512, 1))
+    result = single(tmp_path, make_regressor, make_optimizer, torch.nn.functional.mse_loss, (x, y),
+                    validation_data=(x[:128], y[:128]), max_epochs=3)  # fmt: skip
+    assert result.history[-1]["loss"] < 0.01 * result.history[0]["loss"]
+    assert result.last("val_loss") < 0.01 * y.var()
+    assert all(r["accuracy"] is None for r in result.history) and result.last("val_accuracy") is None
+
+
+def test_int32_numpy_labels_train_a_classifier(tmp_path):
+    x, y = TRAIN
+    result = single(tmp_path, data=(x.numpy(), y.numpy().astype(np.int32)), max_epochs=1)
+    assert result.last("val_accuracy") > 0.6
+
+
+def test_stopped_run_resumes_and_corrupt_newest_checkpoint_is_skipped(tmp_path, capsys):
+    uninterrupted = single(tmp_path / "u")
+    ck = str(tmp_path / "ck")
+    stopped = single(tmp_path / "s", output_fns=[StopAt(40, str(tmp_path / "log"))], checkpoint_dir=ck,
+                     checkpoint_every=16)  # fmt: skip
+    assert stopped.stopped_early and stopped.steps == 40
+    assert [Path(p).name for p in stopped.checkpoints] == [f"ckpt-{s:09d}.pt" for s in (16, 32, 40)]
+    newest = Path(stopped.checkpoints[-1])
+    newest.write_bytes(newest.read_bytes()[:200])  # truncated: reported and skipped, step 32 is used
+    resumed = single(tmp_path / "s", checkpoint_dir=ck, checkpoint_every=16, resume=True)
+    out = capsys.readouterr().out
+    assert "skipping checkpoint" in out and "ckpt-000000040.pt" in out and "ckpt-000000032.pt" in out
+    assert resumed.steps == 72
+    assert_same_parameters(resumed.model, uninterrupted.model)
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in uninterrupted.history]
+
+    finished = single(tmp_path / "s", checkpoint_dir=ck, checkpoint_every=16, resume=True)  # nothing left to do
+    assert finished.steps == 72 and not finished.stopped_early
+    assert_same_parameters(finished.model, uninterrupted.model)
+    assert finished.history == resumed.history and finished.checkpoints == resumed.checkpoints
+
+
+def test_loaders_made_before_launch_are_sharded_per_rank():
+    dataset = Blobs(100, seed=0)
+    user_loader = torch.utils.data.DataLoader(dataset, batch_size=8, shuffle=True)
+    from fastpar.data import array_loader
+
+    for given in (user_loader, array_loader(*TRAIN, 8)):
+        shards = []
+        for rank in range(2):
+            loader = make_loader(given, train=True, batch_size=99, rank=rank, world_size=2, seed=3,
+                                 image_size=None, threads=0, device=torch.device("cpu"))  # fmt: skip
+            assert len(loader) == len(given) // 2
+            shards.append([y for _, ys in loader for y in ys.tolist()])
+        assert all(len(s) == 8 * (len(given) // 2) for s in shards)
+    ids = []
+    for rank in range(2):  # the DataLoader's samples: disjoint across ranks
+        loader = make_loader(user_loader, train=False, batch_size=99, rank=rank, world_size=2, seed=3,
+                             image_size=None, threads=0, device=torch.device("cpu"))  # fmt: skip
+        ids += [tuple(x.tolist()) for xs, _ in loader for x in xs]
+    assert len(ids) == len(set(ids)) == 100
+
+
+def test_bf16_grad_dtype_with_torch_ddp_works_on_gloo(tmp_path, no_process_group):
+    """torch's own bf16 hook refuses gloo; the trainer's compression hook reduces bf16 on any backend."""
+    from fastpar.train.job import wrap_ddp
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = make_model()
+    ddp = wrap_ddp(model, TrainingOptions(ddp="torch", grad_dtype=torch.bfloat16), torch.device("cpu"))
+    x, y = TRAIN
+    torch.nn.functional.cross_entropy(ddp(x[:64]), y[:64]).backward()
+    expected = torch.func.grad(lambda p: torch.nn.functional.cross_entropy(torch.func.functional_call(
+        model, p, (x[:64],)), y[:64]))(dict(model.named_parameters()))  # fmt: skip
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name].to(torch.bfloat16).float(), rtol=0, atol=0)
+        assert not torch.equal(p.grad, expected[name]), "the gradient was not reduced in bf16"
 
 
 # --- errors before any worker starts -----------------------------------------------------------------
@@ -180,10 +318,8 @@ def test_cluster_without_torchrun_names_missing_variables(monkeypatch, tmp_path)
 
 
 def test_missing_data_folder_is_a_clear_error(tmp_path):
-    opts = options(tmp_path)
     with pytest.raises(FileNotFoundError, match="no-such-folder"):
-        Trainer(make_model, make_optimizer, torch.nn.functional.cross_entropy, str(tmp_path / "no-such-folder"),
-                options=opts).fit()  # fmt: skip
+        fit(tmp_path, data=str(tmp_path / "no-such-folder"))
 
 
 def test_unwritable_checkpoint_dir_is_a_clear_error(tmp_path):

@@ -86,6 +86,11 @@ def load_newest_valid(directory: str | Path, report=print) -> tuple[dict[str, An
     return None, None
 
 
+def restarted_by_torchrun() -> bool:
+    """True in a worker group torchrun (or the trainer's elastic launch) restarted after a failure: resume."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
 def rng_state() -> dict[str, Any]:
     """This process's random number generator states, as weights_only-loadable values."""
     np_state = np.random.get_state()
@@ -132,6 +137,7 @@ __all__ = [
     "load_newest_valid",
     "prune",
     "remove_stale_temp_files",
+    "restarted_by_torchrun",
     "rng_state",
     "save_atomic",
     "set_rng_state",

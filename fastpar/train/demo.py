@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                       nn.CrossEntropyLoss(), str(train), options=opts)  # fmt: skip
     result = trainer.fit()
 
+    if not result.history:  # e.g. --resume of a finished run whose metrics.jsonl is gone
+        print(f"\nnothing to report: no logged steps in {result.metrics_path}")
+        return 0
     throughput = statistics.median(r["samples_per_s"] for r in result.history[1:] or result.history)
     accuracy = result.last("val_accuracy")
     print(f"\nvalidation accuracy {100 * accuracy:.1f}% ({args.classes} classes, chance {100 / args.classes:.0f}%)")

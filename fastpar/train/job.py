@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .environment import Plan
 from .options import TrainingOptions
@@ -81,29 +82,40 @@ def build_optimizer(optimizer: Any, model: torch.nn.Module) -> torch.optim.Optim
     return built
 
 
-def wrap_ddp(model: torch.nn.Module, options: TrainingOptions, plan: Plan, device: torch.device) -> torch.nn.Module:
-    """fastpar's or torch's DistributedDataParallel, as ``options.ddp`` asks."""
-    choice = options.ddp
-    if choice == "auto":
-        from .._ext import ext_status
+def ddp_choice(options: TrainingOptions) -> str:
+    """ "fastpar" or "torch": which DistributedDataParallel ``options.ddp`` means here."""
+    if options.ddp != "auto":
+        return options.ddp
+    from .._ext import ext_status
 
-        choice = "fastpar" if ext_status()["backend"] != "torch" else "torch"
+    return "fastpar" if ext_status()["backend"] != "torch" else "torch"
+
+
+def wrap_ddp(model: torch.nn.Module, options: TrainingOptions, device: torch.device) -> torch.nn.Module:
+    """fastpar's or torch's DistributedDataParallel, as ``options.ddp`` asks."""
     device_ids = [device.index] if device.type == "cuda" else None
-    if choice == "fastpar":
+    if ddp_choice(options) == "fastpar":
         from ..ddp import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=device_ids, grad_dtype=options.grad_dtype)
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     if options.grad_dtype in (torch.bfloat16, torch.float16):  # torch's way: a compression comm hook
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-        hook = (
-            default_hooks.bf16_compress_hook
-            if options.grad_dtype == torch.bfloat16
-            else default_hooks.fp16_compress_hook
-        )
-        ddp.register_comm_hook(None, hook)
+        ddp.register_comm_hook(options.grad_dtype, _compress_hook)
     return ddp
+
+
+def _compress_hook(dtype, bucket):  # no annotations: torch checks them against its own types
+    """torch's fp16/bf16_compress_hook (cast, divide, all-reduce, cast back), for any backend: torch's own
+    bf16 hook refuses gloo ("requires CUDA 11+ and NCCL 2.10+") although gloo reduces bf16 fine."""
+    buffer = bucket.buffer()
+    compressed = buffer.to(dtype).div_(dist.get_world_size())
+    future = dist.all_reduce(compressed, async_op=True).get_future()
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
 
 
 def check_picklable(job: Job) -> None:

@@ -8,9 +8,11 @@ again, and the workers resume from the newest checkpoint.
 from __future__ import annotations
 
 import logging
+import signal
 import uuid
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -20,9 +22,12 @@ from .job import Job
 
 @record  # a failing worker's traceback reaches the launcher's error instead of "error_file: <N/A>"
 def _worker_entry(job: Job) -> Any:
-    from .loop import run_worker
+    from .worker import run_worker
 
-    return run_worker(job)
+    try:
+        return run_worker(job)
+    except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: one message, from the launcher
+        raise SystemExit(130) from None
 
 
 def launch_local(job: Job, nprocs: int, max_restarts: int) -> Any:
@@ -45,6 +50,10 @@ def launch_local(job: Job, nprocs: int, max_restarts: int) -> Any:
     quiet.setLevel(logging.ERROR)
     try:
         results = elastic_launch(config, _worker_entry)(job)
+    except SignalException as exc:  # the agent has stopped the workers; report Ctrl-C as Python does
+        if exc.sigval == signal.SIGINT:
+            raise KeyboardInterrupt("training interrupted; the worker processes were stopped") from None
+        raise
     finally:
         quiet.setLevel(previous)
     return results[0]

@@ -1,4 +1,4 @@
-"""The per-rank training loop. Every process runs ``run_worker(job)``; rank 0 also logs, plots,
+"""The per-rank training loop. Every process runs ``Run(...).train()``; rank 0 also logs, plots,
 calls the output functions and writes checkpoints.
 
 One step: ``grad_accum_steps`` batches forward/backward (gradient sync only on the last one), clip,
@@ -9,8 +9,6 @@ only on logged steps, so an ordinary step has no CPU-GPU sync and no extra colle
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
 import random
 import time
 from pathlib import Path
@@ -21,12 +19,16 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint as ckpt
+from . import resume
 from .data import batches_per_epoch, make_loader
-from .job import Job, build_model, build_optimizer, wrap_ddp
+from .job import Job, build_model, build_optimizer, ddp_choice, wrap_ddp
 from .plot import write_progress_plot
 from .progress import MetricsLog, ProgressBar
 
 _PLOT_REFRESH_S = 10.0  # redraw the progress PNG at most this often (a redraw costs ~0.2 s on rank 0)
+# Every info record an output function gets has these keys (None when not known at that point).
+INFO_KEYS = ("state", "epoch", "iteration", "loss", "accuracy", "val_loss", "val_accuracy", "lr", "elapsed",
+             "samples_per_s", "max_epochs", "total_steps")  # fmt: skip
 
 
 def _seed_everything(seed: int) -> None:
@@ -39,7 +41,7 @@ def _classification(out: torch.Tensor, y: Any) -> bool:
     return torch.is_tensor(y) and out.ndim == 2 and y.ndim == 1 and not y.is_floating_point()
 
 
-class _Run:
+class Run:
     def __init__(self, job: Job, rank: int, world_size: int, device: torch.device) -> None:
         self.job, self.opts = job, job.options
         self.rank, self.world_size, self.device = rank, world_size, device
@@ -50,8 +52,10 @@ class _Run:
         self.model = build_model(job.model).to(device)
         self.optimizer = build_optimizer(job.optimizer, self.model)
         self.scheduler = opts.lr_scheduler(self.optimizer) if opts.lr_scheduler else None
-        self.ddp_model = wrap_ddp(self.model, opts, job.plan, device) if world_size > 1 else self.model
+        self.ddp_model = wrap_ddp(self.model, opts, device) if world_size > 1 else self.model
         _seed_everything(opts.seed + 1000 * rank)  # distinct dropout/augmentation streams per rank
+        floating = [p.dtype for p in self.model.parameters() if p.is_floating_point()]
+        self.input_dtype = floating[0] if floating else torch.get_default_dtype()
 
         threads = opts.data_threads if opts.data_threads is not None else (None if device.type == "cuda" else 0)
         loader_args = dict(batch_size=opts.batch_size, rank=rank, world_size=world_size, seed=opts.seed,
@@ -60,7 +64,7 @@ class _Run:
         self.val_loader = (
             make_loader(opts.validation_data, train=False, **loader_args) if opts.validation_data is not None else None
         )
-        self.batches = batches_per_epoch(self.train_loader)
+        self.batches = self._agreed_batches_per_epoch()
         accum = opts.grad_accum_steps
         self.steps_per_epoch = -(-self.batches // accum)
         self.total_steps = self.steps_per_epoch * opts.max_epochs
@@ -71,10 +75,10 @@ class _Run:
 
         self.step, self.epoch, self.batch_in_epoch, self.elapsed_before = 0, 0, 0, 0.0
         self.started, self.loader_state, self.skip = time.perf_counter(), None, 0
-        self.saved_step = 0
         self.ckpt_dir = Path(opts.checkpoint_dir) if opts.checkpoint_dir else None
-        self.checkpoints: list[str] = []
         resumed = self._maybe_resume()
+        self.saved_step = self.step
+        self.checkpoints = [str(p) for p in ckpt.list_checkpoints(self.ckpt_dir)] if self.ckpt_dir else []
 
         self.output_dir = Path(opts.output_dir)
         if self.is_main:
@@ -82,64 +86,53 @@ class _Run:
             self.bar = ProgressBar(self.total_steps, opts.max_epochs) if opts.progress_bar else None
             self.plot_path = self.output_dir / "training-progress.png" if opts.plots == "training-progress" else None
             self._plotted_at = 0.0
+            if self.bar is not None:
+                self._print_summary()
         self._reset_window()
+
+    def _agreed_batches_per_epoch(self) -> int:
+        """Batches per epoch, checked equal on every rank: a rank with fewer would leave the others in a collective."""
+        mine = batches_per_epoch(self.train_loader)
+        counts = [mine]
+        if self.world_size > 1:
+            counts = [None] * self.world_size
+            dist.all_gather_object(counts, mine)
+        if len(set(counts)) > 1 or mine == 0:
+            raise ValueError(
+                f"the training loader yields {counts} batches per epoch on ranks 0..{self.world_size - 1}; every "
+                "rank needs the same number, at least 1 (use less batch_size or more data; a factory's loaders "
+                "must shard evenly, e.g. fastpar.data.array_loader(..., last_batch='drop'))"
+            )
+        return mine
+
+    def _print_summary(self) -> None:
+        where = f"{self.world_size} {self.device.type.upper()} process(es)"
+        ddp = f", {ddp_choice(self.opts)} DDP" if self.world_size > 1 else ""
+        loader = getattr(getattr(self.train_loader, "backend", None), "name", type(self.train_loader).__name__)
+        print(f"fastpar: training on {where}{ddp}; data: {loader}, {self.batches} batches/epoch per process; "
+              f"{self.total_steps} steps", flush=True)  # fmt: skip
 
     # --- resume and checkpoints -------------------------------------------------------------------
     def _maybe_resume(self) -> bool:
-        restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-        if self.ckpt_dir is None or not (self.opts.resume or restarted):
+        if self.ckpt_dir is None or not (self.opts.resume or ckpt.restarted_by_torchrun()):
             return False
-        report = print if self.is_main else (lambda _msg: None)
-        state, path = ckpt.load_newest_valid(self.ckpt_dir, report=report)
-        if state is None:
-            report(f"fastpar: no valid checkpoint in {self.ckpt_dir}; starting from scratch")
+        position = resume.restore(self.ckpt_dir, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                  rank=self.rank, world_size=self.world_size, batches_per_epoch=self.batches,
+                                  report=print if self.is_main else (lambda _msg: None))  # fmt: skip
+        if position is None:
             return False
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        self.step, self.epoch = state["step"], state["epoch"]
-        self.saved_step = self.step
-        self.elapsed_before = state.get("elapsed", 0.0)
-        ranks = state["ranks"]
-        mine = ranks[self.rank] if len(ranks) == self.world_size else None  # same world size: exact continuation
-        if mine is not None:
-            ckpt.set_rng_state(mine["rng"])
-            self.batch_in_epoch = mine["batch_in_epoch"]
-            self.loader_state = mine.get("loader")
-        else:
-            report(f"fastpar: checkpoint was written by {len(ranks)} processes, resuming on {self.world_size}: "
-                   "the data order restarts at the beginning of its epoch")  # fmt: skip
-            self.batch_in_epoch, self.loader_state = 0, None
-        if self.batch_in_epoch >= self.batches:  # written at the end of an epoch
-            self.epoch, self.batch_in_epoch, self.loader_state = self.epoch + 1, 0, None
-        report(f"fastpar: resumed from {path} (step {self.step}, epoch {self.epoch + 1})")
+        self.step, self.epoch, self.batch_in_epoch = position.step, position.epoch, position.batch_in_epoch
+        self.elapsed_before, self.loader_state = position.elapsed, position.loader_state
         return True
 
     def _save_checkpoint(self) -> None:
-        loader_state = self.train_loader.state_dict() if hasattr(self.train_loader, "state_dict") else None
-        mine = {"rng": ckpt.rng_state(), "batch_in_epoch": self.batch_in_epoch, "loader": loader_state}
         self.saved_step = self.step  # on every rank: they all decide alike whether a final save is due
-        ranks = [None] * self.world_size
-        if self.world_size > 1:
-            dist.gather_object(mine, ranks if self.is_main else None, dst=0)
-        else:
-            ranks = [mine]
-        if not self.is_main:
-            return
-        state = {
-            "format": ckpt.FORMAT,
-            "step": self.step,
-            "epoch": self.epoch,
-            "elapsed": self.elapsed(),
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "ranks": ranks,
-        }
-        ckpt.save_atomic(state, ckpt.checkpoint_path(self.ckpt_dir, self.step))
-        ckpt.prune(self.ckpt_dir, self.opts.keep_checkpoints)
-        self.checkpoints = [str(p) for p in ckpt.list_checkpoints(self.ckpt_dir)]
+        kept = resume.save(self.ckpt_dir, self.opts.keep_checkpoints, step=self.step, epoch=self.epoch,
+                           batch_in_epoch=self.batch_in_epoch, elapsed=self.elapsed(), model=self.model,
+                           optimizer=self.optimizer, scheduler=self.scheduler, train_loader=self.train_loader,
+                           rank=self.rank, world_size=self.world_size)  # fmt: skip
+        if kept is not None:
+            self.checkpoints = kept
 
     # --- metrics ----------------------------------------------------------------------------------
     def elapsed(self) -> float:
@@ -149,11 +142,35 @@ class _Run:
         self.window = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, samples
         self.window_start = time.perf_counter()
         self.is_classifier = None
+        self._mark_step()
+
+    def _mark_step(self) -> None:
+        """Remember where this step starts in the window, for the per-step output-function record."""
+        self.step_mark = self.window.clone()
+        self.step_start = time.perf_counter()
 
     def _reduce(self, values: torch.Tensor) -> list[float]:
         if self.world_size > 1:
             dist.all_reduce(values)
-        return values.tolist()  # CPU-GPU sync point (logged steps only)
+        return values.tolist()  # CPU-GPU sync point (logged steps, and every step when output_fns are set)
+
+    def _batch(self, batch: Any) -> tuple[Any, Any]:
+        """``(x, y)`` on this device; floating inputs/targets in the model's dtype (numpy gives float64),
+        integer targets as int64 (what the classification losses take)."""
+        try:
+            x, y = batch
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"each batch must be a pair (inputs, targets), got {type(batch).__name__}; make the loader yield (x, y)"
+            ) from None
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if x.is_floating_point() and x.dtype != self.input_dtype:
+            x = x.to(self.input_dtype)
+        if y.is_floating_point() and y.dtype != self.input_dtype:
+            y = y.to(self.input_dtype)
+        elif not y.is_floating_point() and y.dtype not in (torch.int64, torch.bool):
+            y = y.long()
+        return x, y
 
     def _validate(self) -> dict[str, float]:
         self.model.eval()
@@ -162,8 +179,8 @@ class _Run:
         if hasattr(self.val_loader, "set_epoch"):
             self.val_loader.set_epoch(0)
         with torch.no_grad(), self.autocast():
-            for x, y in self.val_loader:
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            for batch in self.val_loader:
+                x, y = self._batch(batch)
                 out = self.model(x)  # the bare module: no DDP hooks or buffer broadcasts in evaluation
                 totals[0] += self.job.loss_fn(out, y).double() * len(y)
                 if _classification(out, y):
@@ -177,10 +194,9 @@ class _Run:
             result["val_accuracy"] = correct / max(count, 1)
         return result
 
-    def _log(self, validation: dict[str, float] | None) -> bool:
+    def _log(self, validation: dict[str, float] | None, seconds: float) -> bool:
         """Reduce the window's metrics, record them on rank 0, call output functions; True: stop (all ranks)."""
         loss_sum, correct, count = self._reduce(self.window)
-        seconds = time.perf_counter() - self.window_start
         stop = False
         if self.is_main:
             record = {
@@ -188,9 +204,9 @@ class _Run:
                 "iteration": self.step,
                 "loss": loss_sum / max(count, 1),
                 "accuracy": correct / count if self.is_classifier and count else None,
-                "lr": self.optimizer.param_groups[0]["lr"],
+                "lr": float(self.optimizer.param_groups[0]["lr"]),
                 "elapsed": self.elapsed(),
-                "samples_per_s": count / max(seconds, 1e-9),
+                "samples_per_s": count / max(seconds, 1e-9),  # training only: validation time excluded
                 **(validation or {}),
             }
             self.metrics.append(record)
@@ -201,9 +217,30 @@ class _Run:
         self._reset_window()
         return self._share_stop(stop)
 
+    def _step_output_fns(self) -> bool:
+        """Between logged steps: call the output functions with this step's metrics (all ranks' mean)."""
+        loss_sum, correct, count = self._reduce(self.window - self.step_mark)
+        seconds = time.perf_counter() - self.step_start
+        stop = False
+        if self.is_main:
+            record = {
+                "epoch": self.epoch,
+                "iteration": self.step,
+                "loss": loss_sum / max(count, 1),
+                "accuracy": correct / count if self.is_classifier and count else None,
+                "lr": float(self.optimizer.param_groups[0]["lr"]),
+                "elapsed": self.elapsed(),
+                "samples_per_s": count / max(seconds, 1e-9),
+            }
+            stop = self._call_output_fns(record, "iteration")
+        self._mark_step()
+        return self._share_stop(stop)
+
     def _call_output_fns(self, record: dict[str, Any], state: str) -> bool:
-        info = {"state": state, "max_epochs": self.opts.max_epochs, "total_steps": self.total_steps, **record}
-        return any([fn(dict(info)) is True for fn in self.opts.output_fns])  # call every fn, even after a True
+        info = dict.fromkeys(INFO_KEYS)
+        info.update(record, state=state, max_epochs=self.opts.max_epochs, total_steps=self.total_steps)
+        answers = [fn(dict(info)) for fn in self.opts.output_fns]  # call every fn, even after a True
+        return any(answer is not None and bool(answer) for answer in answers)
 
     def _share_stop(self, stop: bool) -> bool:
         if self.world_size == 1 or not self.opts.output_fns:
@@ -245,14 +282,14 @@ class _Run:
         self.started = time.perf_counter()
         stop = False
         if self.is_main:
-            start = {"epoch": self.epoch, "iteration": self.step, "elapsed": self.elapsed(), "loss": None,
-                     "lr": self.optimizer.param_groups[0]["lr"]}  # fmt: skip
+            start = {"epoch": self.epoch, "iteration": self.step, "elapsed": self.elapsed(),
+                     "lr": float(self.optimizer.param_groups[0]["lr"])}  # fmt: skip
             stop = self._call_output_fns(start, "start")
         stop = self._share_stop(stop)
         self.optimizer.zero_grad(set_to_none=True)
         while not stop and self.epoch < opts.max_epochs:
             self._start_epoch()
-            for x, y in self.train_loader:
+            for batch in self.train_loader:
                 if self.skip:
                     self.skip -= 1
                     continue
@@ -260,7 +297,7 @@ class _Run:
                 group_size = min(accum, self.batches - group_start)
                 self.batch_in_epoch += 1
                 last_micro = self.batch_in_epoch == group_start + group_size
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+                x, y = self._batch(batch)
                 sync = contextlib.nullcontext() if last_micro or self.world_size == 1 else self.ddp_model.no_sync()
                 with sync:
                     with self.autocast():
@@ -279,8 +316,8 @@ class _Run:
                 self._optimizer_step()
                 self.step += 1
                 stop = self._after_step(epoch_end=self.batch_in_epoch == self.batches)
-                if stop:
-                    break
+                if stop or self.batch_in_epoch == self.batches:
+                    break  # a loader longer than its len() must not run past the epoch
             if not stop:
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
         if self.ckpt_dir is not None and self.step > self.saved_step:  # stopped or ended between checkpoints
@@ -289,6 +326,7 @@ class _Run:
 
     def _after_step(self, epoch_end: bool) -> bool:
         opts = self.opts
+        seconds = time.perf_counter() - self.window_start
         validate = self.val_loader is not None and (
             (opts.validation_every and self.step % opts.validation_every == 0)
             or (not opts.validation_every and epoch_end)
@@ -296,7 +334,9 @@ class _Run:
         validation = self._validate() if validate else None
         stop = False
         if validation or epoch_end or self.step % opts.log_every == 0:
-            stop = self._log(validation)
+            stop = self._log(validation, seconds)
+        elif opts.output_fns:  # output functions see every iteration, as MATLAB's do
+            stop = self._step_output_fns()
         if self.ckpt_dir is not None and (
             (opts.checkpoint_every and self.step % opts.checkpoint_every == 0)
             or (not opts.checkpoint_every and epoch_end)
@@ -325,45 +365,3 @@ class _Run:
             "checkpoints": self.checkpoints,
             "elapsed": self.elapsed(),
         }
-
-
-def _init_process_group(backend: str, rank: int, world_size: int, device: torch.device,
-                        timeout: datetime.timedelta) -> None:  # fmt: skip
-    device_id = device if device.type == "cuda" else None
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
-        return
-    # The elastic agent keeps one TCPStore for all restart rounds and workers connect without a prefix, so
-    # a restarted group could read the dead workers' addresses (gloo: "connectFullMesh failed ...
-    # Connection refused"). A per-round prefix keeps every round's keys apart.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                is_master=False, timeout=timeout)  # fmt: skip
-    store = dist.PrefixStore(f"fastpar/attempt_{attempt}", agent_store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=device_id)  # fmt: skip
-
-
-def run_worker(job: Job) -> dict[str, Any] | None:
-    """Train on this process's rank (from torchrun's environment; rank 0 of 1 when there is none)."""
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    plan = job.plan
-    if plan.device_type == "cuda":
-        device = torch.device("cuda", plan.device_ids[local_rank] if plan.device_ids else local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if plan.nprocs > 1:  # launched here: keep torch threads to this process's share of the cores
-        torch.set_num_threads(plan.threads_per_process)
-    own_group = world_size > 1 and not dist.is_initialized()
-    if own_group:
-        if plan.nprocs:  # a local launch: keep gloo on loopback
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        _init_process_group(plan.backend or ("nccl" if device.type == "cuda" else "gloo"), rank, world_size, device,
-                            datetime.timedelta(seconds=job.collective_timeout_s))  # fmt: skip
-    try:
-        return _Run(job, rank, world_size, device).train()
-    finally:
-        if own_group and dist.is_initialized():
-            dist.destroy_process_group()

@@ -18,6 +18,13 @@ class TrainingOptions:
     """Options of one training run (the counterpart of MATLAB's ``trainingOptions``).
 
     Steps count optimizer steps; with ``grad_accum_steps=k`` one step consumes k batches per process.
+    Output functions are called on rank 0 with state "start", after every optimizer step ("iteration") and
+    at "done", with an info record holding state, epoch (0-based), iteration, loss, accuracy, val_loss,
+    val_accuracy (None when not known), lr, elapsed, samples_per_s, max_epochs and total_steps; loss and
+    accuracy average all ranks over the steps since the previous logged step on logged steps (every
+    ``log_every`` steps, epoch ends, validations) and over that one step otherwise. A truthy return stops
+    every rank after that step. (Each call costs a small all-reduce and a broadcast, only when output_fns
+    are given.)
     Objects here travel to the worker processes, so callables (``output_fns``, ``lr_scheduler``) must be
     picklable: functions or classes defined at module level of an importable module.
     """
@@ -52,10 +59,10 @@ class TrainingOptions:
     )
 
     # watching it
-    log_every: int = 10  # steps between logged metrics, progress updates and output_fns calls
+    log_every: int = 10  # steps between logged metrics (metrics.jsonl, progress bar, plot)
     progress_bar: bool = True
     plots: str | None = None  # "training-progress": a PNG of loss/accuracy, refreshed while training
-    output_fns: Sequence[Callable[[dict], Any]] = ()  # called on rank 0 with an info record; True stops training
+    output_fns: Sequence[Callable[[dict], Any]] = ()  # called on rank 0 with an info record; truthy stops training
     output_dir: str = "fastpar-output"  # metrics.jsonl and the progress plot go here
 
     # checkpoints

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
@@ -13,8 +12,8 @@ from .data import check_exists
 from .environment import resolve
 from .job import Job, OptimizerSpec, build_model, check_picklable
 from .launch import launch_local
-from .loop import run_worker
 from .options import TrainingOptions
+from .worker import run_worker
 
 
 @dataclasses.dataclass
@@ -46,8 +45,10 @@ class Trainer:
     - ``model``: an ``nn.Module`` or a factory returning one (each process builds its own).
     - ``optimizer``: an optimizer over ``model.parameters()``, or a factory ``fn(params) -> Optimizer``.
     - ``loss_fn``: ``loss_fn(output, target) -> scalar tensor``.
-    - ``train_data``: an image folder (class subfolders), ``(x, y)`` arrays, a torch Dataset, a loader, or a
-      factory ``fn(rank, world_size) -> loader``.
+    - ``train_data``: an image folder (class subfolders), ``(x, y)`` arrays (numpy or torch), a torch Dataset,
+      a loader, or a factory ``fn(rank, world_size) -> loader``. A torch DataLoader (default sampler) or a
+      fastpar loader made here is re-planned so each process gets its own shard; floating batches are cast
+      to the model's dtype and integer targets to int64.
 
     Started from a plain ``python train.py`` the trainer launches its own workers, so these objects are
     pickled: define them at module level and guard the entry with ``if __name__ == "__main__":``.
@@ -76,8 +77,7 @@ class Trainer:
             ckpt.check_writable(opts.checkpoint_dir, "checkpoint_dir")
             ckpt.remove_stale_temp_files(opts.checkpoint_dir)
             existing = ckpt.list_checkpoints(opts.checkpoint_dir)
-            restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # torchrun restarted us: resume
-            if existing and not opts.resume and not restarted:
+            if existing and not opts.resume and not ckpt.restarted_by_torchrun():
                 raise FileExistsError(
                     f"TrainingOptions.checkpoint_dir={opts.checkpoint_dir!r} already holds {len(existing)} checkpoint(s) "
                     f"(newest {existing[-1].name}) from an earlier run; pass resume=True to continue from them, "
