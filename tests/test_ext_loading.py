@@ -94,12 +94,35 @@ def test_forced_torch_backend_in_a_fresh_process():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
-@pytest.mark.skipif(
+needs_jit = pytest.mark.skipif(
     os.environ.get("FASTPAR_TEST_JIT") != "1", reason="compiles the extension (~1 min); FASTPAR_TEST_JIT=1"
 )
-def test_jit_build_loads_and_matches(fresh_loader, tmp_path):
+
+
+@pytest.fixture(scope="module")
+def jit_dir(tmp_path_factory):
+    """A JIT cache built by three processes starting at once, as ranks of a job do: the file lock must
+    let one build while the others wait, then all load the same module."""
+    cache = tmp_path_factory.mktemp("jit")
+    code = "import fastpar; s = fastpar.ext_status(); print(s['backend'], s['reason'])"
+    env = dict(os.environ, FASTPAR_EXT="jit", FASTPAR_JIT_DIR=str(cache))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0 and out.startswith("jit "), f"stdout: {out}\nstderr: {err}"
+    assert len({out.split(" ", 1)[1] for out, _ in outputs}) == 1  # one build directory for all
+    return cache
+
+
+@needs_jit
+def test_jit_build_loads_and_matches(fresh_loader, jit_dir):
     fresh_loader.setenv("FASTPAR_EXT", "jit")
-    fresh_loader.setenv("FASTPAR_JIT_DIR", str(tmp_path))
+    fresh_loader.setenv("FASTPAR_JIT_DIR", str(jit_dir))
     status = fastpar.ext_status()
     assert status["backend"] == "jit", status["reason"]
     tensors = [torch.randn(1000), torch.randn(7).half()]
