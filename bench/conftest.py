@@ -1,7 +1,8 @@
 """pytest-benchmark entry points over the ``fastpar bench`` code, for regression tracking in CI.
 
-Run: ``pytest bench/ --benchmark-only`` (not collected by the normal test run: testpaths = tests).
-Multi-rank benchmarks make this process rank 0 of a local gloo group (``fastpar.bench.peers``).
+Run: ``pytest bench/ --benchmark-only`` (not collected by the normal test run: testpaths = tests); a
+quick subset: ``pytest bench/ --benchmark-only -k "64K or 384x16K or single"``. Multi-rank benchmarks make
+this process rank 0 of a local gloo group (``fastpar.bench.peers``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from __future__ import annotations
 import os
 
 import pytest
+
+pytest.importorskip(
+    "pytest_benchmark", reason="the bench/ entry points need pytest-benchmark: pip install 'fastpar[bench]'"
+)
 
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

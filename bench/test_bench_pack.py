@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastpar.bench.pack import DEFAULT_SHAPES, pack_variants, parse_shapes
+from fastpar.bench.pack import DEFAULT_SHAPES, pack_variants, parse_shapes, shape_name
 
 
-@pytest.mark.parametrize("shape", parse_shapes(DEFAULT_SHAPES), ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", parse_shapes(DEFAULT_SHAPES), ids=lambda s: shape_name(*s))
 @pytest.mark.parametrize("op", ["pack:memcpy", "pack:fastpar.pack", "pack:torch.cat", "unpack:fastpar.unpack"])
 def test_pack(benchmark, shape, op):
     count, numel = shape

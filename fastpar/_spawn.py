@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -53,7 +54,9 @@ def _worker(rank, world_size, port, backend, threads, pg_timeout, fn, args, resu
                 world_size=world_size,
                 timeout=datetime.timedelta(seconds=pg_timeout),
             )
-        value = fn(rank, world_size, *args)
+        # plain pickle bytes: torch's queue reductions would share tensors through file descriptors that
+        # die with this process before the parent reads them
+        value = pickle.dumps(fn(rank, world_size, *args))
         results.put((rank, True, value))
     except BaseException:  # report everything, KeyboardInterrupt included, to the parent
         results.put((rank, False, traceback.format_exc()))
@@ -114,7 +117,7 @@ def spawn(
                 continue
             if not ok:
                 raise RankError(f"rank {rank} of {world_size} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if len(values) == world_size else 0.5)

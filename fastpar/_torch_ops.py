@@ -64,9 +64,7 @@ def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0)
     return out
 
 
-def unpack(
-    flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1.0, accumulate: bool = False
-) -> None:
+def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1.0, accumulate: bool = False) -> None:
     _check_flat("unpack", "flat", flat)
     _check_list("unpack", flat, tensors, "flat")
     offset = 0

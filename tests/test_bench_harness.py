@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fastpar.bench import launch
-from fastpar.bench.collectives import NAMES, bus_factor, make_case
+from fastpar.bench.collective_cases import NAMES, SPLIT, bus_factor, distinct_sizes, element_counts, make_case
 from fastpar.bench.harness import (
     BenchUsageError,
     Plan,
@@ -81,8 +81,11 @@ def test_format_bytes_round_trips():
 def test_parse_dtype():
     assert parse_dtype("bf16") is torch.bfloat16
     assert parse_dtype("Float32") is torch.float32
+    assert parse_dtype("int8") is torch.int8
     with pytest.raises(BenchUsageError, match="unknown dtype 'float8'"):
         parse_dtype("float8")
+    with pytest.raises(BenchUsageError, match="pack supports --dtype float32, float16, bfloat16; got 'int32'"):
+        parse_dtype("int32", (torch.float32, torch.float16, torch.bfloat16), user="pack")
 
 
 def test_parse_shapes():
@@ -107,14 +110,41 @@ def _simulate(name: str, cases: list) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8, torch.uint8])
 def test_collective_expected_values_are_what_the_collective_computes(name, world, dtype):
     cases = [make_case(name, 1000, dtype, torch.device("cpu"), rank, world) for rank in range(world)]
     for case, truth in zip(cases, _simulate(name, cases), strict=True):
         assert case.expected.dtype == dtype
         assert count_mismatches(case.expected.double(), truth) == 0
-        assert case.out.numel() * (world if name == "reducescatter" else 1) == case.count
+        assert case.nbytes == case.total * case.inp.element_size() <= 1000
+        if name in SPLIT:  # nccl-tests: count is one rank's share, the size the whole buffer
+            assert case.total == case.count * world
+        else:
+            assert case.total == case.count
+
+
+@pytest.mark.parametrize("world", [64, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("name", ["allreduce", "reducescatter"])
+def test_reduction_check_values_stay_exact_at_any_world_size(name, world, dtype):
+    """Summed one rank at a time in the dtype itself (as a ring does), every partial sum stays exact,
+    so a large job never reports wrong results that are only rounding of the check values."""
+    cases = [make_case(name, 512, dtype, torch.device("cpu"), rank, world) for rank in range(world)]
+    total = cases[0].inp.clone()
+    for case in cases[1:]:
+        total += case.inp  # rounds (or wraps) in ``dtype`` after every step
+    for rank in (0, world - 1):
+        got = total if name == "allreduce" else total.chunk(world)[rank]
+        assert count_mismatches(got, cases[rank].expected) == 0
+
+
+def test_reduction_check_catches_a_wrong_reduce_op():
+    cases = [make_case("allreduce", 4096, torch.float32, torch.device("cpu"), rank, 3) for rank in range(3)]
+    maximum = torch.stack([c.inp for c in cases]).amax(dim=0)  # MAX instead of SUM
+    assert count_mismatches(maximum, cases[0].expected) == cases[0].count
+    partial = cases[0].inp + cases[1].inp  # one rank's contribution lost
+    assert count_mismatches(partial, cases[0].expected) > 0
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -127,10 +157,16 @@ def test_collective_check_catches_a_corrupted_result(name):
     assert count_mismatches(result, case.expected) == 2
 
 
-def test_split_collectives_round_counts_to_the_world_size():
+def test_split_collectives_round_counts_down_to_whole_elements_per_rank():
+    assert element_counts("reducescatter", 1000, 4, 3) == (83, 249)  # 250 floats -> 83 per rank
+    assert element_counts("alltoall", 1, 4, 4) == (1, 4)  # at least one element per rank
+    assert element_counts("allreduce", 1001, 4, 3) == (250, 250)
+    assert element_counts("broadcast", 3, 2, 2) == (1, 1)
     case = make_case("reducescatter", 1000, torch.float32, torch.device("cpu"), 0, 3)
-    assert case.count % 3 == 0 and case.nbytes <= 1000
-    assert make_case("alltoall", 1, torch.float32, torch.device("cpu"), 0, 4).count == 4
+    assert (case.count, case.total, case.nbytes, case.out.numel()) == (83, 249, 996, 83)
+    # 1K..4K by 2 with 3 ranks and bf16 share no buffer; 2 and 3 bytes of float32 both round to one element
+    assert distinct_sizes("allgather", [1024, 2048, 4096], 2, 3) == [1024, 2048, 4096]
+    assert distinct_sizes("allreduce", [2, 3, 4, 8], 4, 2) == [2, 8]
 
 
 def test_count_mismatches_with_tolerance_and_shape():
@@ -159,7 +195,7 @@ def _report() -> BenchReport:
         header={"backend": "gloo"},
         footer=["Avg bus bandwidth : 1.000 GB/s"],
         notes=["something skipped"],
-        summary={"best": 1.5},
+        summary={"best": 1.5, "by_shape": {"a": float("nan"), "b": [float("inf"), 2.0]}},
     )
 
 
@@ -180,6 +216,10 @@ def test_json_schema(tmp_path):
         "schema",
         "benchmark",
         "title",
+        "command",
+        "created",
+        "fastpar",
+        "machine",
         "header",
         "columns",
         "rows",
@@ -191,6 +231,7 @@ def test_json_schema(tmp_path):
     assert [c["key"] for c in data["columns"]] == ["name", "t", "r"]
     assert data["rows"][0] == {"name": "x", "t": 12.345, "r": 0.5}
     assert data["rows"][1] == {"name": "yy", "t": None, "r": None, "extra": 3}  # inf is not JSON
+    assert data["summary"]["by_shape"] == {"a": None, "b": [None, 2.0]}  # nor is nan, however deep
 
 
 def test_resolve_world_errors(monkeypatch):

@@ -77,7 +77,11 @@ def _features_rank(rank: int, world_size: int) -> dict:
     out["views"] = all(p.grad.untyped_storage().data_ptr() in flats for p in model.parameters())
     out["stats"] = model.comm_stats()
     out["rebuilt"] = model._has_rebuilt_buckets
-    out["n_buckets_bucket_cap"] = len(fastpar.DDP(MLP(), bucket_cap_mb=1e-6)._reducer.buckets)
+    tiny = fastpar.DDP(MLP(), bucket_cap_mb=1e-6)
+    out["n_buckets_first"] = len(tiny._reducer.buckets)  # torch's first layout: one bucket until the rebuild
+    for _ in range(2):  # the second forward rebuilds in the order gradients arrived
+        tiny(make_input("mlp", gen)).sum().backward()
+    out["n_buckets_bucket_cap"] = len(tiny._reducer.buckets)
 
     # mixed dtypes: one dtype per bucket, bf16 grads reduced in bf16
     torch.manual_seed(0)
@@ -141,7 +145,8 @@ def test_grads_are_bucket_views_and_stats(features):
             p * 4 for p in (16 * 32 + 32, 32 * 32 + 32, 32 * 8 + 8)
         )
         assert r["stats"]["wait_s"] >= 0 and r["stats"]["step"] == 3
-        assert r["n_buckets_bucket_cap"] == 6  # every tensor over the tiny cap gets its own bucket
+        assert r["n_buckets_first"] == 1
+        assert r["n_buckets_bucket_cap"] == 6  # after the rebuild every tensor over the tiny cap has its own bucket
 
 
 def test_mixed_dtypes_get_separate_buckets(features):

@@ -70,3 +70,27 @@ def parity_results():
 def test_bit_identical_to_torch_ddp(parity_results, case, variant):
     for rank, outcome in enumerate(parity_results):
         assert outcome[f"{case}/{variant}"] == [], f"rank {rank}: tensors differ from torch DDP"
+
+
+def _three_rank_rank(rank: int, world_size: int) -> dict:
+    """World size 3: the all-reduce's summation order depends on the bucket layout (torch's first layout
+    puts members in registration order), and 1/3 is not a power of two, so any scaling difference shows.
+    Known gap: with several buckets after the rebuild at world size > 2, offsets can differ from torch's."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from test_ddp_models import train
+
+    outcome = {}
+    import fastpar
+
+    for kind in ("mlp", "cnn"):
+        ref = train(lambda m: torch.nn.parallel.DistributedDataParallel(m), kind, rank)
+        got = train(lambda m: fastpar.DDP(m), kind, rank)
+        outcome[kind] = [k for k in ref if not torch.equal(ref[k], got[k])]
+    return outcome
+
+
+def test_bit_identical_to_torch_ddp_on_three_ranks():
+    for rank, outcome in enumerate(spawn(_three_rank_rank, 3, timeout=240)):
+        assert outcome == {"mlp": [], "cnn": []}, f"rank {rank}: tensors differ from torch DDP"

@@ -2,18 +2,37 @@
 
 Each benchmark module offers ``DESCRIPTION``, ``USES`` (which shared flags apply: ``sizes``, ``nproc``,
 ``dtype``), ``DEFAULTS`` (its own defaults for the shared flags), ``add_arguments(parser)`` and
-``run(args) -> BenchReport | None``. Exit status: 0 ok, 1 wrong results, 2 bad flags.
+``run(args) -> BenchReport | None``; optionally ``DTYPE_CHOICES`` (the dtypes it takes) and
+``describe(name)`` (a line per benchmark name, when one module serves several).
+
+Exit status: 0 ok, 1 wrong results or a failed run (no speed is printed), 2 bad flags. Every error is
+one line on stderr that says what is wrong and what to do; under torchrun only rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib
 import os
+import shlex
 import sys
+import tempfile
+from pathlib import Path
 from types import ModuleType
 
-from .harness import BenchUsageError, WrongResultError, parse_bytes, parse_dtype, size_sweep
+from .._optional import available
+from .harness import (
+    DTYPES,
+    BenchUsageError,
+    Plan,
+    WrongResultError,
+    dtype_name,
+    parse_bytes,
+    parse_dtype,
+    size_sweep,
+)
+from .launch import launched_by_torchrun
 from .table import BenchReport, render_table, write_json, write_plot
 
 BENCHMARKS = {
@@ -28,65 +47,164 @@ BENCHMARKS = {
     "data": "fastpar.bench.data",
     "all": "fastpar.bench.report",
 }
+# Defaults of the shared flags; a benchmark's DEFAULTS override them. The flags themselves default to
+# None so that the ones given on the command line are known (to refuse those that do not apply).
+SHARED_DEFAULTS = {
+    "min_bytes": "1K",
+    "max_bytes": "16M",
+    "factor": 2,
+    "iters": 5,
+    "warmup": 1,
+    "rounds": 3,
+    "dtype": "float32",
+    "backend": "auto",
+    "threads": 1,
+}
+_SIZE_FLAGS = {"min_bytes", "max_bytes", "factor"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag raises :class:`BenchUsageError` (one line) instead of printing usage and exiting."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise BenchUsageError(f"{message} (see 'fastpar bench {self.prog.split()[-1]} --help')")
+
+
+def _description(name: str, module: ModuleType) -> str:
+    describe = getattr(module, "describe", None)
+    return describe(name) if describe else module.DESCRIPTION
 
 
 def _usage() -> str:
     lines = ["usage: fastpar bench <benchmark> [flags]", "", "benchmarks:"]
     for name, module_name in BENCHMARKS.items():
-        description = importlib.import_module(module_name).DESCRIPTION
-        lines.append(f"  {name:<14} {description}")
-    lines += ["", "Run 'fastpar bench <benchmark> --help' for its flags."]
+        lines.append(f"  {name:<14} {_description(name, importlib.import_module(module_name))}")
+    lines += [
+        "",
+        "shared flags: -b/-e/-f sizes, -n iterations, -w warm-up, --rounds, --dtype, --nproc N (or torchrun),",
+        "--json FILE, --plot FILE (PNG). Run 'fastpar bench <benchmark> --help' for what applies and defaults.",
+    ]
     return "\n".join(lines)
 
 
 def build_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
-    """The shared flags, then the benchmark's own; defaults from the module's ``DEFAULTS``."""
-    parser = argparse.ArgumentParser(prog=f"fastpar bench {name}", description=module.DESCRIPTION, allow_abbrev=False)
+    """The shared flags (those that do not apply are hidden from --help), then the benchmark's own."""
+    uses, defaults = module.USES, {**SHARED_DEFAULTS, **module.DEFAULTS}
+    parser = _Parser(prog=f"fastpar bench {name}", description=_description(name, module), allow_abbrev=False)
     shared = parser.add_argument_group("shared flags")
-    shared.add_argument("-b", "--minbytes", dest="min_bytes", help="smallest size in bytes, K/M/G suffixes allowed")
-    shared.add_argument("-e", "--maxbytes", dest="max_bytes", help="largest size in bytes, K/M/G suffixes allowed")
-    shared.add_argument("-f", "--stepfactor", dest="factor", type=int, help="multiply the size by this each step")
-    shared.add_argument("-n", "--iters", type=int, help="timed iterations per round")
-    shared.add_argument("-w", "--warmup", type=int, help="untimed warm-up iterations per variant")
-    shared.add_argument("--rounds", type=int, help="interleaved rounds; the reported time is their median")
-    shared.add_argument("--dtype", default="float32", help="element type (float32, float16, bfloat16, ...)")
-    shared.add_argument("--nproc", type=int, help="local ranks to spawn (under torchrun: the launched ranks run)")
-    shared.add_argument("--backend", default="auto", help="auto (NCCL on GPUs, else gloo), gloo or nccl")
-    shared.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    shared.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    shared.add_argument("--plot", metavar="FILE", help="also draw the results into a PNG (needs matplotlib)")
+
+    def add(*flags: str, applies: bool = True, **kwargs) -> None:
+        if not applies:
+            kwargs["help"] = argparse.SUPPRESS  # still parsed, so using it gives a clear error
+        shared.add_argument(*flags, default=None, **kwargs)
+
+    sweep = "sizes" in uses
+    # fmt: off
+    add("-b", "--minbytes", dest="min_bytes", metavar="SIZE", applies=sweep,
+        help=f"smallest size in bytes, K/M/G suffixes allowed (default {defaults['min_bytes']})")
+    add("-e", "--maxbytes", dest="max_bytes", metavar="SIZE", applies=sweep,
+        help=f"largest size in bytes (default {defaults['max_bytes']})")
+    add("-f", "--stepfactor", dest="factor", metavar="F", type=int, applies=sweep,
+        help=f"multiply the size by F each step (default {defaults['factor']})")
+    add("-n", "--iters", metavar="N", type=int, help=f"timed calls per round (default {defaults['iters']})")
+    add("-w", "--warmup", metavar="N", type=int, help=f"untimed warm-up calls per variant (default {defaults['warmup']})")
+    add("--rounds", metavar="N", type=int,
+        help=f"interleaved rounds; the time reported is their median (default {defaults['rounds']})")
+    choices = getattr(module, "DTYPE_CHOICES", None)
+    dtypes = f": {', '.join(dtype_name(d) for d in choices)}" if choices else ""
+    add("--dtype", applies="dtype" in uses, help=f"element type{dtypes} (default {defaults['dtype']})")
+    add("--nproc", metavar="N", type=int, applies="nproc" in uses,
+        help="local ranks to spawn (default: one per GPU, else 2); under torchrun the launched ranks run")
+    add("--backend", applies="nproc" in uses, help="auto (NCCL on GPUs, else gloo), gloo or nccl (default auto)")
+    add("--threads", metavar="N", type=int, help="torch threads per process (default 1)")
+    add("--json", metavar="FILE", help="also write the results as JSON")
+    add("--plot", metavar="FILE", help="also draw the results into a PNG (needs matplotlib)")
+    # fmt: on
     module.add_arguments(parser)
-    parser.set_defaults(**module.DEFAULTS)
     return parser
 
 
-def _validate(name: str, module: ModuleType, args: argparse.Namespace, explicit: set[str]) -> None:
+def _validate(name: str, module: ModuleType, args: argparse.Namespace) -> None:
+    """Fill in defaults, record the flags given in ``args.explicit`` and refuse what cannot work, before
+    any rank starts."""
+    shared = {**SHARED_DEFAULTS, **module.DEFAULTS}
+    args.explicit = {key for key in [*shared, "nproc", "json", "plot"] if getattr(args, key, None) is not None}
+    for key, value in shared.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
     uses = module.USES
     if "sizes" in uses:
         args.sizes = size_sweep(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.factor)
-    elif explicit & {"min_bytes", "max_bytes", "factor"}:
+    elif args.explicit & _SIZE_FLAGS:
         raise BenchUsageError(
             f"{name} does not sweep sizes, so -b/-e/-f do not apply; see its --help for its own flags"
         )
-    if "nproc" not in uses and "nproc" in explicit:
-        raise BenchUsageError(f"{name} runs in one process; --nproc does not apply")
-    if "dtype" in uses:
-        parse_dtype(args.dtype)  # before any rank starts
-    elif "dtype" in explicit:
-        raise BenchUsageError(f"{name} has no --dtype choice")
-    if args.threads is not None and args.threads < 1:
+    if "nproc" not in uses:
+        if args.nproc not in (None, 1):
+            raise BenchUsageError(f"{name} runs in one process; --nproc {args.nproc} does not apply (drop it)")
+        if args.explicit & {"backend"}:
+            raise BenchUsageError(f"{name} runs in one process; --backend does not apply")
+    allowed = getattr(module, "DTYPE_CHOICES", None) if "dtype" in uses else (DTYPES["float32"],)
+    parse_dtype(args.dtype, allowed, user=name)
+    Plan(args.warmup, args.rounds, args.iters)
+    if args.threads < 1:
         raise BenchUsageError(f"--threads must be at least 1, got {args.threads}")
+    as_dirs = getattr(module, "OUTPUTS_ARE_DIRECTORIES", False)
+    for flag in ("json", "plot"):
+        if getattr(args, flag):
+            _check_writable(getattr(args, flag), f"--{flag}", as_dirs)
+    if args.plot and not available("matplotlib"):
+        raise BenchUsageError("--plot needs matplotlib, which is not installed: pip install 'fastpar[bench]'")
 
 
-def _explicit_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """Destinations the user set on the command line (to refuse flags that do not apply)."""
-    given = {token.split("=", 1)[0] for token in argv if token.startswith("-")}
-    return {action.dest for action in parser._actions if given & set(action.option_strings)}
+def _check_writable(path_text: str, flag: str, directory: bool) -> None:
+    """Refuse an output path that cannot be written before spending minutes on the run (creating the
+    folders it needs, as writing would)."""
+    path = Path(path_text)
+    if directory and path.exists() and not path.is_dir():
+        raise BenchUsageError(f"{flag} {path_text}: exists and is not a directory; name a directory")
+    if not directory and path.is_dir():
+        raise BenchUsageError(f"{flag} {path_text}: is a directory; name a file")
+    folder = path if directory else path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise BenchUsageError(f"{flag} {path_text}: not writable ({exc.strerror}: {exc.filename})") from None
+
+
+def prepare(name: str, argv: list[str]) -> tuple[ModuleType, argparse.Namespace | None]:
+    """The benchmark's module and its checked arguments; ``None`` arguments when ``--help`` was printed."""
+    if name not in BENCHMARKS:
+        raise BenchUsageError(f"unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}")
+    module = importlib.import_module(BENCHMARKS[name])
+    parser = build_parser(name, module)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit:  # --help printed
+        return module, None
+    args.benchmark = name
+    args.command = shlex.join(["fastpar", "bench", name, *argv])
+    _validate(name, module, args)
+    return module, args
+
+
+def finish(report: BenchReport, args: argparse.Namespace) -> BenchReport:
+    """Stamp a report with what produced it, so its JSON describes itself."""
+    from .machine import machine_facts
+
+    hidden = ("json", "plot", "explicit", "command")
+    report.config = {k: v for k, v in vars(args).items() if k not in hidden}
+    report.command = args.command
+    report.created = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    report.machine = machine_facts()
+    return report
 
 
 def emit(report: BenchReport, args: argparse.Namespace) -> None:
     """Print the table and write the ``--json`` / ``--plot`` files the user asked for."""
-    report.config = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "explicit")}
+    finish(report, args)
     print(render_table(report), flush=True)
     if args.json:
         print(f"# wrote {write_json(report, args.json)}")
@@ -94,34 +212,41 @@ def emit(report: BenchReport, args: argparse.Namespace) -> None:
         print(f"# wrote {write_plot(report, args.plot)}")
 
 
+def _is_leader() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .._spawn import RankError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
-    name, rest = argv[0], argv[1:]
-    if name not in BENCHMARKS:
-        print(f"fastpar bench: unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(BENCHMARKS[name])
-    parser = build_parser(name, module)
-    try:
-        args = parser.parse_args(rest)
-    except SystemExit as exc:  # --help (0) or an argparse error (2): return instead of exiting
-        return int(exc.code or 0)
-    args.benchmark = name
-    leader = os.environ.get("RANK", "0") == "0"
-    try:
-        args.explicit = _explicit_flags(parser, rest)
-        _validate(name, module, args, args.explicit)
-        report = module.run(args)
-    except BenchUsageError as exc:
-        print(f"fastpar bench {name}: error: {exc}", file=sys.stderr)
-        return 2
-    except WrongResultError as exc:
+    name, leader = argv[0], _is_leader()
+
+    def fail(kind: str, exc: object, status: int) -> int:
         if leader:
-            print(f"fastpar bench {name}: WRONG RESULTS (no speed reported): {exc}", file=sys.stderr)
-        return 1
-    if report is not None:
-        emit(report, args)
+            print(f"fastpar bench {name}: {kind}: {exc}", file=sys.stderr)
+        return status
+
+    try:
+        module, args = prepare(name, argv[1:])
+        if args is None:
+            return 0
+        if launched_by_torchrun() and "nproc" not in module.USES and not leader:
+            return 0  # a one-process benchmark under torchrun runs on rank 0 alone
+        report = module.run(args)
+        if report is not None:
+            emit(report, args)
+    except BenchUsageError as exc:
+        return fail("error", exc, 2)
+    except WrongResultError as exc:  # from 'all': some benchmarks failed, the others' results stand
+        return fail("failed" if name == "all" else "WRONG RESULTS (no speed reported)", exc, 1)
+    except RankError as exc:
+        return fail("a rank failed", exc, 1)
+    except OSError as exc:
+        return fail("error", exc, 1)
+    except KeyboardInterrupt:
+        return fail("interrupted", "stopped by the user", 130)
     return 0

@@ -18,6 +18,7 @@ import argparse
 import math
 import os
 import resource
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,8 +27,8 @@ from pathlib import Path
 import torch
 
 from .._optional import available
-from .harness import BenchUsageError, WrongResultError, median
-from .table import BenchReport, Column, PlotSpec
+from .harness import BenchUsageError, Plan, WrongResultError, median
+from .table import BenchReport, Column, PlotSpec, goal_line
 
 DESCRIPTION = "image loaders: fastpar DALI vs torch DataLoader vs bare DALI pipeline (images/s, CPU%)"
 USES: set[str] = set()
@@ -55,6 +56,12 @@ def _cpu_seconds() -> float:
 def image_folder(args: argparse.Namespace) -> Path:
     """The folder to read: ``--images``, or a generated one cached by count and size."""
     if args.images:
+        from ..data import scan_image_folder
+
+        try:
+            scan_image_folder(args.images)
+        except (OSError, ValueError) as exc:  # missing, empty, no class folders, no images
+            raise BenchUsageError(f"--images: {exc}") from None
         return Path(args.images)
     from ..data.synthetic import make_image_folder
 
@@ -62,10 +69,17 @@ def image_folder(args: argparse.Namespace) -> Path:
     classes = 4
     per_class = math.ceil(args.count / classes)
     root = Path(tempfile.gettempdir()) / f"fastpar-bench-images-{classes * per_class}-{width}x{height}"
-    marker = root / ".complete"
-    if not marker.exists():  # generating is slow (seconds per hundred images): do it once per machine
-        make_image_folder(root, classes=classes, per_class=per_class, size=(width, height), seed=0, fmt="jpeg")
-        marker.write_text("ok\n")
+    if not (root / ".complete").exists():  # generating is slow (seconds per hundred images): once per machine
+        # write aside, then rename into place: a concurrent run or a crash never leaves a half-written set
+        staging = Path(tempfile.mkdtemp(prefix=f"{root.name}.", dir=root.parent))
+        make_image_folder(staging, classes=classes, per_class=per_class, size=(width, height), seed=0, fmt="jpeg")
+        (staging / ".complete").write_text("ok\n")
+        try:
+            staging.rename(root)
+        except OSError:  # root is taken: by another run's complete set, or by a set a crash left half-written
+            if not (root / ".complete").exists():
+                return staging
+            shutil.rmtree(staging, ignore_errors=True)
     return root
 
 
@@ -135,9 +149,10 @@ def run(args: argparse.Namespace) -> BenchReport:
     for flag, value in (("--count", args.count), ("--workers", args.workers), ("--batch", args.batch)):
         if value < 1:
             raise BenchUsageError(f"{flag} must be at least 1, got {value}")
-    if args.warmup < 0 or args.rounds < 1 or args.iters < 1:
-        raise BenchUsageError("need -w >= 0, --rounds >= 1 and -n >= 1")
+    Plan(args.warmup, args.rounds, args.iters)
     _parse_image_size(args.image_size)
+    if args.size < 8:
+        raise BenchUsageError(f"--size must be at least 8, got {args.size}")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     root = image_folder(args)
     torch.set_num_threads(args.threads)
@@ -171,13 +186,12 @@ def _report(args, root: Path, device: torch.device, samples, images_per_epoch: i
                  cpu_percent=cpu[name], vs_bare=rate[name] / rate["dali_bare"] if "dali_bare" in rate else None,
                  vs_torch=rate[name] / rate["fastpar_torch"])
         )  # fmt: skip
-    footer = []
+    footer, goals = [], {}
     for ours, theirs, goal in GOALS:
         if ours in rate and theirs in rate:
             ratio = rate[ours] / rate[theirs]
-            footer.append(
-                f"goal: {ours} >= {goal:.2f}x {theirs}: {ratio:.2f}x -> {'MET' if ratio >= goal else 'NOT MET'}"
-            )
+            goals[f"{ours} / {theirs} >= {goal}"] = ratio >= goal
+            footer.append(goal_line(f"{ours} >= {goal:.2f}x {theirs}", f"{ratio:.2f}x", ratio >= goal))
     return BenchReport(
         benchmark="data",
         title=f"image loading, decode + random resized crop {args.size} + flip + normalise",
@@ -200,6 +214,6 @@ def _report(args, root: Path, device: torch.device, samples, images_per_epoch: i
         },
         footer=footer,
         notes=notes,
-        summary={"images_per_s": rate, "cpu_percent": cpu},
+        summary={"images_per_s": rate, "cpu_percent": cpu, "goals_met": goals},
         plot=PlotSpec("bar", "pipeline", "images_per_s", ylabel="images/s"),
     )

@@ -51,7 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("fusion")
     group.add_argument("--count", type=int, default=4000, help="number of tensors (default 4000)")
     group.add_argument("--numel", type=int, default=1024, help="elements per tensor (default 1024)")
-    group.add_argument("--bucket-cap-mb", type=float, default=25.0, help="fastpar bucket size cap (default 25)")
+    group.add_argument(
+        "--bucket-cap-mb", type=float, default=None, help="fastpar bucket size cap (default: fastpar's choice)"
+    )
     group.add_argument("--slow-iters", type=int, default=1, help="calls per round of one_by_one/async (default 1)")
     group.add_argument(
         "--variants",
@@ -80,10 +82,12 @@ def _expected(tensor: torch.Tensor, j: int, n: int) -> torch.Tensor:
     return (sum(k % 4 for k in range(n)) + n * ((idx + j) % 4)).to(tensor.dtype).view(tensor.shape)
 
 
-def build_path(name: str, count: int, numel: int, dtype, device, cap_mb: float) -> tuple[list[torch.Tensor], Callable]:
+def build_path(
+    name: str, count: int, numel: int, dtype, device, cap_mb: float | None
+) -> tuple[list[torch.Tensor], Callable]:
     """The tensors a path reduces (as the check sees them) and one call of the path."""
     from ..ddp import all_reduce_coalesced
-    from ..ddp.coalesced import plan_coalesced_buckets
+    from ..ddp.coalesced import auto_bucket_cap_mb, plan_coalesced_buckets
 
     if name == "single":
         flat = torch.zeros(count * numel, dtype=dtype, device=device)
@@ -110,7 +114,7 @@ def build_path(name: str, count: int, numel: int, dtype, device, cap_mb: float) 
     if name == "fastpar_bucketed":
         return tensors, lambda: all_reduce_coalesced(tensors, None, bucket_cap_mb=cap_mb, scale=1.0)
     if name == "fastpar_views":
-        buckets = plan_coalesced_buckets(tensors, cap_mb)
+        buckets = plan_coalesced_buckets(tensors, cap_mb if cap_mb is not None else auto_bucket_cap_mb(device))
         flats = [torch.zeros(len(b) * numel, dtype=dtype, device=device) for b in buckets]
         views = [view for flat in flats for view in flat.split(numel)]
 
@@ -124,7 +128,7 @@ def build_path(name: str, count: int, numel: int, dtype, device, cap_mb: float) 
 
 
 def path_call(
-    rank: int, world_size: int, name: str, count: int = 4000, numel: int = 1024, cap_mb: float = 25.0
+    rank: int, world_size: int, name: str, count: int = 4000, numel: int = 1024, cap_mb: float | None = None
 ) -> Callable[[], object]:
     """One rank's call of path ``name`` on zeroed float32 CPU tensors (for ``fastpar.bench.peers``)."""
     return build_path(name, count, numel, torch.float32, torch.device("cpu"), cap_mb)[1]
@@ -134,6 +138,10 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
     device = launch.rank_device(args.backend)
     dtype = parse_dtype(args.dtype)
     names = _selected(args)
+    from ..ddp.coalesced import auto_bucket_cap_mb
+
+    if args.bucket_cap_mb is None:
+        args.cap_note = f"{auto_bucket_cap_mb(device)} MB (auto: fastpar's choice on {device.type})"
     paths = {name: build_path(name, args.count, args.numel, dtype, device, args.bucket_cap_mb) for name in names}
     wrong: dict[str, int] = {}
     for name, (tensors, call) in paths.items():  # check every path once before timing anything
@@ -199,7 +207,7 @@ def _report(args, world_size: int, dtype: torch.dtype, seconds: dict[str, float]
         header={
             "backend": args.backend,
             "world size": str(world_size),
-            "bucket cap": f"{args.bucket_cap_mb} MB",
+            "bucket cap": getattr(args, "cap_note", f"{args.bucket_cap_mb} MB"),
             "timing": f"median of {args.rounds} interleaved rounds x {args.iters} iters, slowest rank",
         },
         footer=footer,

@@ -28,6 +28,9 @@ class WrongResultError(RuntimeError):
 
 _SUFFIXES = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
+# Every name ``--dtype`` accepts. Each benchmark narrows it: the collectives take all of them (the
+# check values are small integers, exact in each), fusion and pack only the float types fastpar buckets
+# hold, ddp and data run in float32 only.
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -39,10 +42,12 @@ DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "float64": torch.float64,
     "double": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
     "int32": torch.int32,
     "int64": torch.int64,
-    "uint8": torch.uint8,
 }
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def parse_bytes(text: str) -> int:
@@ -81,12 +86,16 @@ def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     return sizes
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    """A dtype name from :data:`DTYPES` -> ``torch.dtype``."""
+def parse_dtype(name: str, allowed: tuple[torch.dtype, ...] | None = None, user: str = "this benchmark") -> torch.dtype:
+    """A dtype name from :data:`DTYPES` -> ``torch.dtype``; with ``allowed``, also refuse the others."""
     try:
-        return DTYPES[name.lower()]
+        dtype = DTYPES[name.lower()]
     except KeyError:
-        raise BenchUsageError(f"unknown dtype {name!r}; choose one of {', '.join(sorted(set(DTYPES)))}") from None
+        raise BenchUsageError(f"unknown dtype {name!r}; choose one of {', '.join(DTYPES)}") from None
+    if allowed is not None and dtype not in allowed:
+        names = ", ".join(dtype_name(d) for d in allowed)
+        raise BenchUsageError(f"{user} supports --dtype {names}; got {name!r}")
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:

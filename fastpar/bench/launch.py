@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .harness import BenchUsageError, WrongResultError
+from .harness import BenchUsageError, Plan, WrongResultError, interleaved_rounds, median
 
 
 def max_cpu_ranks() -> int:
@@ -51,18 +51,22 @@ def resolve_world(nproc: int | None, backend: str = "auto") -> World:
         nproc = gpus if gpus >= 1 and backend != "gloo" else 2
     if nproc < 1:
         raise BenchUsageError(f"--nproc must be at least 1, got {nproc}")
+    # the ranks that share this machine's GPUs: all of them when spawned here, torchrun's local ones otherwise
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", nproc)) if external else nproc
     if backend == "auto":
-        backend = "nccl" if gpus >= 1 and nproc <= gpus else "gloo"
-        if gpus >= 1 and nproc > gpus and not external:
+        if gpus >= 1 and local > gpus and not external:
             raise BenchUsageError(
                 f"--nproc {nproc} is above the {gpus} GPU(s) visible; use --nproc {gpus} or fewer, "
                 "or --backend gloo to run CPU ranks"
             )
+        backend = "nccl" if gpus >= 1 and local <= gpus else "gloo"
     if backend == "nccl":
         if gpus == 0:
             raise BenchUsageError("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
-        if nproc > gpus and not external:
-            raise BenchUsageError(f"--nproc {nproc} is above the {gpus} GPU(s) visible; use --nproc {gpus} or fewer")
+        if local > gpus:
+            raise BenchUsageError(
+                f"{local} ranks on this machine but only {gpus} GPU(s) visible; NCCL needs one GPU per rank"
+            )
     if backend == "gloo" and not external and nproc > max_cpu_ranks():
         raise BenchUsageError(
             f"--nproc {nproc} is above {max_cpu_ranks()} CPU ranks for this {os.cpu_count()}-core machine; "
@@ -103,6 +107,17 @@ def barrier(device: torch.device) -> None:
             dist.barrier()
 
 
+def time_on_all_ranks(
+    variants: Mapping[str, Callable[[], object]], plan: Plan, device: torch.device, **overrides: Any
+) -> dict[str, float]:
+    """Median seconds per call of each variant (interleaved rounds, every rank starting each timed block
+    together after a barrier), as measured by the slowest rank. ``overrides`` go to
+    :func:`~fastpar.bench.harness.interleaved_rounds` (``iters``, ``warmups``)."""
+    times = interleaved_rounds(variants, plan, device, before_round=lambda: barrier(device), **overrides)
+    names = list(variants)
+    return dict(zip(names, slowest([median(times[name]) for name in names], device), strict=True))
+
+
 @dataclass(frozen=True)
 class _Wrong:
     message: str
@@ -127,6 +142,14 @@ def run_ranks(fn: Callable[..., Any], args: Any, world: World, *, threads: int =
     if isinstance(value, _Wrong):
         raise WrongResultError(value.message)
     return value
+
+
+def run_distributed(rank_main: Callable[..., Any], args: Any) -> Any:
+    """The ``run(args)`` of a multi-rank benchmark: check ``--nproc``/``--backend``, record the backend
+    chosen in ``args.backend``, run ``rank_main(rank, world_size, args)`` on every rank, return rank 0's value."""
+    world = resolve_world(args.nproc, args.backend)
+    args.backend = world.backend
+    return run_ranks(rank_main, args, world, threads=args.threads)
 
 
 def _run_external(fn: Callable[..., Any], args: Any, world: World, threads: int) -> Any:

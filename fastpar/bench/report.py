@@ -1,151 +1,141 @@
 """``fastpar bench all --json DIR``: run the suite and write one JSON per benchmark plus ``summary.md``.
 
 ``summary.md`` starts with the machine (CPU model and cores, GPUs, torch/NCCL/DALI versions, the live
-kernel backend) and then gives every benchmark's table as printed: the form README numbers are copied
-from. Quick settings by default (a few minutes on a small CPU machine); ``--full`` runs every benchmark
-with its own defaults.
+kernel backend), lists each benchmark's verdict lines, then gives every table as printed: the form
+README numbers are copied from. ``machine.json`` holds the same machine facts.
+
+Quick settings by default (a few minutes on a small CPU machine); ``--full`` runs every benchmark with
+its own defaults. Shared flags given to ``all`` (``-b/-e/-f``, ``-n``, ``-w``, ``--rounds``, ``--dtype``,
+``--nproc``, ``--backend``, ``--threads``) are passed on to every benchmark they apply to and win over
+the quick settings. A benchmark that fails is reported in the summary; the others still run, and the
+exit status is then 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import importlib
 import json
-import os
-import platform
 import sys
+import traceback
 from pathlib import Path
 
 from .harness import BenchUsageError, WrongResultError
 from .table import BenchReport, render_table, write_json, write_plot
 
-DESCRIPTION = "run the whole suite; --json DIR gets one JSON per benchmark and summary.md"
-USES = {"nproc"}
+DESCRIPTION = "run the whole suite; --json DIR gets one JSON per benchmark, machine.json and summary.md"
+USES = {"sizes", "nproc", "dtype"}
 DEFAULTS: dict = {}
+OUTPUTS_ARE_DIRECTORIES = True
 
+_QUICK_SWEEP = ["-b", "1K", "-e", "4M", "-f", "4", "-n", "5", "-w", "2", "--rounds", "3"]
 # benchmark -> flags of the quick suite (the --full suite passes none: each benchmark's defaults)
 QUICK = {
-    "allreduce": ["-b", "1K", "-e", "4M", "-f", "4", "-n", "5", "-w", "2", "--rounds", "3"],
-    "reducescatter": ["-b", "1K", "-e", "4M", "-f", "4", "-n", "5", "-w", "2", "--rounds", "3"],
-    "allgather": ["-b", "1K", "-e", "4M", "-f", "4", "-n", "5", "-w", "2", "--rounds", "3"],
-    "broadcast": ["-b", "1K", "-e", "4M", "-f", "4", "-n", "5", "-w", "2", "--rounds", "3"],
-    "alltoall": ["-b", "1K", "-e", "4M", "-f", "4", "-n", "5", "-w", "2", "--rounds", "3"],
+    "allreduce": _QUICK_SWEEP,
+    "reducescatter": _QUICK_SWEEP,
+    "allgather": _QUICK_SWEEP,
+    "broadcast": _QUICK_SWEEP,
+    "alltoall": _QUICK_SWEEP,
     "fusion": ["--rounds", "3"],
     "pack": ["--rounds", "3"],
     "ddp": ["--rounds", "3", "--iters", "1"],
     "data": ["--rounds", "2"],
 }
-DISTRIBUTED = {"allreduce", "reducescatter", "allgather", "broadcast", "alltoall", "fusion", "ddp"}
+# shared flag (its dest) -> (command-line flag, the USES entry a benchmark needs to take it, or None for all)
+_FORWARDED = {
+    "min_bytes": ("-b", "sizes"),
+    "max_bytes": ("-e", "sizes"),
+    "factor": ("-f", "sizes"),
+    "iters": ("-n", None),
+    "warmup": ("-w", None),
+    "rounds": ("--rounds", None),
+    "dtype": ("--dtype", "dtype"),
+    "nproc": ("--nproc", "nproc"),
+    "backend": ("--backend", "nproc"),
+    "threads": ("--threads", None),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("all")
     group.add_argument("--only", help=f"comma-separated subset of {','.join(QUICK)}")
     group.add_argument("--full", action="store_true", help="each benchmark's full defaults instead of quick ones")
-    parser.epilog = "With 'all', --json and --plot name DIRECTORIES (one file per benchmark)."
+    parser.epilog = (
+        "With 'all', --json and --plot name DIRECTORIES (one file per benchmark). Shared flags given here "
+        "are passed on to each benchmark they apply to, e.g. -b 1K -e 64K -n 2 -w 1 for a fast smoke run."
+    )
 
 
-def machine_facts() -> dict:
-    """What a reader needs to judge the numbers: CPU, cores, GPUs, versions, kernel backend."""
-    from ..info import collect
+def benchmark_argv(name: str, args: argparse.Namespace) -> list[str]:
+    """The flags ``all`` runs benchmark ``name`` with: quick (or none with --full), then the user's shared flags."""
+    from .cli import BENCHMARKS
 
-    facts = collect()
-    cpu_model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpus = []
-    if facts["cuda_available"]:
-        import torch
-
-        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    facts.update(cpu_model=cpu_model, gpus=gpus, date=datetime.datetime.now().isoformat(timespec="seconds"))
-    return facts
-
-
-def _machine_markdown(facts: dict) -> str:
-    ext = facts["extension"]
-    gpus = ", ".join(f"{n} x {name}" for name, n in _counts(facts["gpus"]).items()) or "none"
-    rows = [
-        ("date", facts["date"]),
-        ("CPU", f"{facts['cpu_model']} ({facts['cpu_count']} logical cores)"),
-        ("GPUs", gpus),
-        ("torch", f"{facts['torch']} (CUDA {facts['torch_cuda'] or 'none'})"),
-        ("NCCL", facts["nccl"] or "not available"),
-        ("DALI", facts["dali"] or "not installed"),
-        ("fastpar kernels", f"{ext['backend']} ({ext['reason']})"),
-        ("python", f"{facts['python']} on {facts['platform']}"),
-    ]
-    return "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
-
-
-def _counts(names: list[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for name in names:
-        counts[name] = counts.get(name, 0) + 1
-    return counts
+    uses = importlib.import_module(BENCHMARKS[name]).USES
+    argv = [] if args.full else list(QUICK[name])
+    given = set(args.explicit)
+    if given & {"min_bytes", "max_bytes", "factor"}:
+        given |= {"min_bytes", "max_bytes", "factor"}  # a sweep is passed on whole: -b 1K -e 2K means -f 2 too
+    for dest, (flag, needs) in _FORWARDED.items():
+        if dest in given and (needs is None or needs in uses):
+            argv += [flag, str(getattr(args, dest))]
+    return argv
 
 
 def _run_one(name: str, argv: list[str]) -> BenchReport:
-    import importlib
+    from .cli import finish, prepare
 
-    from .cli import BENCHMARKS, _explicit_flags, _validate, build_parser
+    module, args = prepare(name, argv)
+    return finish(module.run(args), args)
 
-    module = importlib.import_module(BENCHMARKS[name])
-    parser = build_parser(name, module)
-    args = parser.parse_args(argv)
-    args.benchmark = name
-    _validate(name, module, args, _explicit_flags(parser, argv))
-    report = module.run(args)
-    report.config = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "explicit")}
-    return report
+
+def _verdicts(report: BenchReport) -> list[str]:
+    """The footer lines a reader looks for first: goals and floors."""
+    return [line for line in report.footer if line.startswith(("goal", "floor", "Avg bus"))]
 
 
 def run(args: argparse.Namespace) -> None:
-    if "RANK" in os.environ:
+    from .launch import launched_by_torchrun
+    from .machine import machine_facts, machine_markdown
+
+    if launched_by_torchrun():
         raise BenchUsageError("run 'fastpar bench all' without torchrun: it spawns the ranks of each benchmark itself")
-    fixed = sorted(getattr(args, "explicit", set()) & {"iters", "warmup", "rounds"})
-    if fixed:
-        raise BenchUsageError(
-            f"'all' sets -n/-w/--rounds per benchmark ({', '.join(fixed)} given); use --full or run one benchmark"
-        )
     if not args.json:
         raise BenchUsageError("'all' needs --json DIR: the folder for one JSON per benchmark and summary.md")
     names = list(QUICK) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in QUICK]
-    if unknown:
+    if unknown or not names:
         raise BenchUsageError(f"unknown benchmark(s) {unknown} in --only; choose from {', '.join(QUICK)}")
     out_dir = Path(args.json)
     out_dir.mkdir(parents=True, exist_ok=True)
     facts = machine_facts()
     (out_dir / "machine.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
-    sections, failures = [], []
+    sections, glance, failures = [], [], []
     for name in names:
-        argv = [] if args.full else list(QUICK[name])
-        argv += ["--threads", str(args.threads)]
-        if name in DISTRIBUTED:
-            argv += ["--backend", args.backend] + (["--nproc", str(args.nproc)] if args.nproc else [])
-        print(f"# running: fastpar bench {name} {' '.join(argv)}", flush=True)
+        argv = benchmark_argv(name, args)
+        command = " ".join(["fastpar bench", name, *argv])
+        print(f"# running: {command}", flush=True)
         try:
             report = _run_one(name, argv)
-        except (WrongResultError, BenchUsageError) as exc:
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # one failed benchmark must not lose the others' results
+            kind = {WrongResultError: "WRONG RESULTS", BenchUsageError: "could not run"}.get(type(exc), "failed")
+            detail = str(exc) if kind != "failed" else "".join(traceback.format_exception_only(exc)).strip()
             failures.append(name)
-            kind = "WRONG RESULTS" if isinstance(exc, WrongResultError) else "could not run"
-            print(f"fastpar bench {name}: {kind}: {exc}", file=sys.stderr)
-            sections.append(f"## {name}\n\n**{kind}**: {exc}\n")
+            print(f"fastpar bench {name}: {kind}: {detail}", file=sys.stderr, flush=True)
+            glance.append(f"- **{name}**: {kind}")
+            sections.append(f"## {name}\n\nCommand: `{command}`\n\n**{kind}**: {detail}\n")
             continue
         table = render_table(report)
         print(table, flush=True)
         write_json(report, out_dir / f"{name}.json")
         if args.plot:
             write_plot(report, Path(args.plot) / f"{name}.png")
-        sections.append(f"## {name}\n\nCommand: `fastpar bench {name} {' '.join(argv)}`\n\n```text\n{table}\n```\n")
-    summary = "\n".join(["# fastpar bench report", "", "## Machine", "", _machine_markdown(facts), "", *sections])
-    (out_dir / "summary.md").write_text(summary)
-    print(f"# wrote {out_dir / 'summary.md'} and {len(names) - len(failures)} JSON file(s) to {out_dir}")
+        glance += [f"- **{name}**: {line}" for line in _verdicts(report)]
+        sections.append(f"## {name}\n\nCommand: `{command}`\n\n```text\n{table}\n```\n")
+    summary = ["# fastpar bench report", "", "## Machine", "", machine_markdown(facts), ""]
+    summary += ["## At a glance", "", *glance, "", *sections]
+    (out_dir / "summary.md").write_text("\n".join(summary))
+    print(f"# wrote {out_dir / 'summary.md'}, machine.json and {len(names) - len(failures)} benchmark JSON file(s)")
     if failures:
         raise WrongResultError(f"benchmarks that failed: {', '.join(failures)} (see {out_dir / 'summary.md'})")

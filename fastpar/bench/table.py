@@ -3,9 +3,12 @@
 Every benchmark builds one :class:`BenchReport`; the CLI prints it, writes ``--json`` and ``--plot``,
 and ``fastpar bench all`` (report.py) collects them into a Markdown summary. The JSON schema (version 1):
 
-    {"schema": "fastpar.bench/1", "benchmark": str, "title": str, "header": {str: str},
-     "columns": [{"key", "title", "unit"}], "rows": [{key: value}], "summary": {...},
-     "footer": [str], "notes": [str], "config": {flag: value}}
+    {"schema": "fastpar.bench/1", "benchmark": str, "title": str, "command": str, "created": ISO time,
+     "fastpar": version, "machine": {cpu_model, cpu_count, gpus, torch, nccl, ...},
+     "header": {str: str}, "columns": [{"key", "title", "unit"}], "rows": [{key: value}],
+     "summary": {...}, "footer": [str], "notes": [str], "config": {flag: value}}
+
+Numbers are plain JSON numbers (seconds-derived values in the column's unit); inf/nan become null.
 """
 
 from __future__ import annotations
@@ -56,12 +59,19 @@ class BenchReport:
     summary: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
     plot: PlotSpec | None = None
+    command: str = ""  # the command line that produced it
+    created: str = ""  # ISO time
+    machine: dict[str, Any] = field(default_factory=dict)  # fastpar.bench.machine.machine_facts()
 
     def to_json(self) -> dict[str, Any]:
         return {
             "schema": SCHEMA,
             "benchmark": self.benchmark,
             "title": self.title,
+            "command": self.command,
+            "created": self.created,
+            "fastpar": self.machine.get("fastpar", ""),
+            "machine": _json_value(self.machine),
             "header": dict(self.header),
             "columns": [{"key": c.key, "title": c.title, "unit": c.unit} for c in self.columns],
             "rows": [{c.key: _json_value(row.get(c.key)) for c in self.columns} | _extra(row) for row in self.rows],
@@ -70,6 +80,11 @@ class BenchReport:
             "notes": list(self.notes),
             "config": {k: _json_value(v) for k, v in self.config.items()},
         }
+
+
+def goal_line(claim: str, measured: str, met: bool) -> str:
+    """The footer line of a goal from the issues: ``goal: <claim>: <measured> -> MET|NOT MET``."""
+    return f"goal: {claim}: {measured} -> {'MET' if met else 'NOT MET'}"
 
 
 def _json_value(value: Any) -> Any:
@@ -114,7 +129,7 @@ def render_table(report: BenchReport) -> str:
 def write_json(report: BenchReport, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    path.write_text(json.dumps(report.to_json(), indent=2, allow_nan=False) + "\n")  # strict JSON: no NaN/Infinity
     return path
 
 

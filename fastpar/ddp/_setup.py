@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .buckets import DEFAULT_FIRST_BUCKET_BYTES
+from .buckets import DEFAULT_FIRST_BUCKET_BYTES, TORCH_BUCKET_BYTES
 
 _MB = 1024 * 1024
 GRAD_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
@@ -97,8 +97,8 @@ def bucket_caps(bucket_cap_mb, bucket_cap_mb_list) -> tuple[list[int], int]:
     if bucket_cap_mb_list:
         caps = [int(mb * _MB) for mb in bucket_cap_mb_list]
         return caps, max(caps)
-    if bucket_cap_mb is None:
-        return [DEFAULT_FIRST_BUCKET_BYTES, 25 * _MB], 25 * _MB
+    if bucket_cap_mb is None:  # fastpar picks the layout (buckets.auto_caps); torch's numbers for the attribute
+        return [DEFAULT_FIRST_BUCKET_BYTES, TORCH_BUCKET_BYTES], TORCH_BUCKET_BYTES
     if bucket_cap_mb <= 0:
         raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
     return [int(bucket_cap_mb * _MB)], int(bucket_cap_mb * _MB)

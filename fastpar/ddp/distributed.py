@@ -8,6 +8,7 @@ that would reach ``self.reducer`` is overridden here.
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from torch.distributed.utils import _sync_module_states, _to_kwargs
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
 from . import _setup
+from .buckets import auto_caps
 from .comm_hooks import builtin_hook, check_comm_hook
 from .join import FastparJoinHook
 from .reducer import Reducer
@@ -117,6 +119,8 @@ class DistributedDataParallel(_TorchDDP):
         caps, self.bucket_bytes_cap = _setup.bucket_caps(bucket_cap_mb, bucket_cap_mb_list)
         self.bucket_bytes_cap_list = caps if bucket_cap_mb_list else []
         self.bucket_bytes_cap_default = bucket_cap_mb is None and not bucket_cap_mb_list
+        if self.bucket_bytes_cap_default:
+            caps = auto_caps(params, self.process_group.size())  # a user-given cap is always honoured
         self.skip_all_reduce_unused_params = False
         self.use_side_stream_for_tensor_copies = True
         self._assign_modules_buffers()
@@ -132,15 +136,19 @@ class DistributedDataParallel(_TorchDDP):
             )
         if any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules()) and self.device_type == "cpu":
             raise ValueError("SyncBatchNorm layers only work with GPU modules")
+        rebuild = static_graph or not find_unused_parameters
         self._reducer = Reducer(
             params,
             names,
             self.process_group,
             caps=caps,
+            # torch's first layout: one bucket per dtype until the real gradient order is known (it is
+            # rebuilt after the first backward), else the caps
+            initial_caps=[sys.maxsize] if rebuild and not bucket_cap_mb_list else caps,
             grad_views=self.gradient_as_bucket_view,
             grad_dtype=grad_dtype if grad_dtype not in (None, torch.float32) else None,
             tolerate_unused=find_unused_parameters or static_graph,
-            rebuild=static_graph or not find_unused_parameters,
+            rebuild=rebuild,
             instance_id=next(_instances),
         )
         self._comm_hooks: list[tuple[Callable, object]] = []
