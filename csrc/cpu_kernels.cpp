@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -71,32 +72,99 @@ void half_to_float_f16c(const c10::Half*, float*, int64_t) {}
 void float_to_half_f16c(const float*, c10::Half*, int64_t) {}
 #endif
 
+// bf16 <-> fp32 on the bit patterns: widening is a 16-bit shift, narrowing is c10::BFloat16's round-to-nearest-even
+// (NaN -> quiet NaN 0x7FC0). Written with integer ops and a select so GCC vectorises them, unlike c10::BFloat16's
+// per-element conversion (measured ~3x slower than torch's own cast).
+inline __attribute__((always_inline)) float bf16_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, sizeof(value));
+  return value;
+}
+
+inline __attribute__((always_inline)) uint16_t float_to_bf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t{0x7FC0} : static_cast<uint16_t>(rounded);
+}
+
+// Element access by storage type: fp32 as float, bf16 as its raw uint16_t bits.
+inline __attribute__((always_inline)) float load_float(const float* p) { return *p; }
+inline __attribute__((always_inline)) float load_float(const uint16_t* p) { return bf16_to_float(*p); }
+inline __attribute__((always_inline)) void store_float(float* p, float value) { *p = value; }
+inline __attribute__((always_inline)) void store_float(uint16_t* p, float value) { *p = float_to_bf16(value); }
+
+template <typename T>
+using Storage = std::conditional_t<std::is_same_v<T, c10::BFloat16>, uint16_t, T>;
+
+// One fused loop for fp32/bf16 pairs (no intermediate buffer). Per element it reads src and dst before writing
+// dst, so src == dst (in place) is safe.
+template <typename Src, typename Dst, bool kAccumulate>
+inline __attribute__((always_inline)) void fused_body(const Src* src, Dst* dst, int64_t n, float scale) {
+  for (int64_t i = 0; i < n; ++i) {
+    float value = load_float(src + i) * scale;
+    if constexpr (kAccumulate) value = load_float(dst + i) + value;
+    store_float(dst + i, value);
+  }
+}
+
+template <typename Src, typename Dst, bool kAccumulate>
+void fused_baseline(const Src* src, Dst* dst, int64_t n, float scale) {
+  fused_body<Src, Dst, kAccumulate>(src, dst, n, scale);
+}
+
+#if defined(__x86_64__)
+// AVX2 clone chosen at run time (the build targets the baseline ISA). No "fma" in the target: no contraction.
+const bool kHasAVX2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2");
+}();
+
+template <typename Src, typename Dst, bool kAccumulate>
+__attribute__((target("avx2"))) void fused_avx2(const Src* src, Dst* dst, int64_t n, float scale) {
+  fused_body<Src, Dst, kAccumulate>(src, dst, n, scale);
+}
+#endif
+
+template <typename Src, typename Dst, bool kAccumulate>
+void fused(const Src* src, Dst* dst, int64_t n, float scale) {
+#if defined(__x86_64__)
+  if (kHasAVX2) return fused_avx2<Src, Dst, kAccumulate>(src, dst, n, scale);
+#endif
+  fused_baseline<Src, Dst, kAccumulate>(src, dst, n, scale);
+}
+
 template <typename T>
 void to_float(const T* src, float* out, int64_t n) {
   if constexpr (std::is_same_v<T, c10::Half>) {
     if (kHasF16C) return half_to_float_f16c(src, out, n);
+    for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(src[i]);
+  } else {
+    fused<Storage<T>, float, false>(reinterpret_cast<const Storage<T>*>(src), out, n, 1.0f);
   }
-  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(src[i]);
 }
 
 template <typename T>
 void from_float(const float* in, T* dst, int64_t n) {
   if constexpr (std::is_same_v<T, c10::Half>) {
     if (kHasF16C) return float_to_half_f16c(in, dst, n);
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(in[i]);
+  } else {
+    fused<float, Storage<T>, false>(in, reinterpret_cast<Storage<T>*>(dst), n, 1.0f);
   }
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(in[i]);
 }
 
-// Multiply, add and round exactly like the pure-torch reference (no FMA: -ffp-contract=off). fp32 -> fp32 is one
-// vectorised loop; other pairs go through an L1-sized fp32 block so each step is a simple vectorisable loop.
+// Multiply, add and round exactly like the pure-torch reference (no FMA: -ffp-contract=off). fp32/bf16 pairs are
+// one fused loop; pairs with fp16 go through an L1-sized fp32 block so each step is a simple vectorisable loop.
 template <typename Src, typename Dst, bool kAccumulate>
 void convert(const Src* src, Dst* dst, int64_t n, float scale) {
   if constexpr (std::is_same_v<Src, float> && std::is_same_v<Dst, float>) {
-    for (int64_t i = 0; i < n; ++i) {
-      float value = src[i] * scale;
-      if constexpr (kAccumulate) value = dst[i] + value;
-      dst[i] = value;
-    }
+    // Memory-bound, so the baseline-ISA loop inlined here is as fast as the AVX2 clone and saves a call per tensor.
+    fused_body<float, float, kAccumulate>(src, dst, n, scale);
+  } else if constexpr (!std::is_same_v<Src, c10::Half> && !std::is_same_v<Dst, c10::Half>) {
+    fused<Storage<Src>, Storage<Dst>, kAccumulate>(reinterpret_cast<const Storage<Src>*>(src),
+                                                   reinterpret_cast<Storage<Dst>*>(dst), n, scale);
   } else {
     constexpr int64_t kBlock = 512;
     float value[kBlock];
