@@ -194,21 +194,27 @@ class Run:
             result["val_accuracy"] = correct / max(count, 1)
         return result
 
+    def _record(self, sums: torch.Tensor, seconds: float) -> dict[str, Any] | None:
+        """All ranks' (loss sum, correct, samples) reduced into a record on rank 0 (None elsewhere)."""
+        loss_sum, correct, count = self._reduce(sums)
+        if not self.is_main:
+            return None
+        return {
+            "epoch": self.epoch,
+            "iteration": self.step,
+            "loss": loss_sum / max(count, 1),
+            "accuracy": correct / count if self.is_classifier and count else None,
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "elapsed": self.elapsed(),
+            "samples_per_s": count / max(seconds, 1e-9),  # training only: validation time excluded
+        }
+
     def _log(self, validation: dict[str, float] | None, seconds: float) -> bool:
         """Reduce the window's metrics, record them on rank 0, call output functions; True: stop (all ranks)."""
-        loss_sum, correct, count = self._reduce(self.window)
+        record = self._record(self.window, seconds)
         stop = False
-        if self.is_main:
-            record = {
-                "epoch": self.epoch,
-                "iteration": self.step,
-                "loss": loss_sum / max(count, 1),
-                "accuracy": correct / count if self.is_classifier and count else None,
-                "lr": float(self.optimizer.param_groups[0]["lr"]),
-                "elapsed": self.elapsed(),
-                "samples_per_s": count / max(seconds, 1e-9),  # training only: validation time excluded
-                **(validation or {}),
-            }
+        if record is not None:
+            record.update(validation or {})
             self.metrics.append(record)
             if self.bar is not None:
                 self.bar.update(record)
@@ -219,20 +225,8 @@ class Run:
 
     def _step_output_fns(self) -> bool:
         """Between logged steps: call the output functions with this step's metrics (all ranks' mean)."""
-        loss_sum, correct, count = self._reduce(self.window - self.step_mark)
-        seconds = time.perf_counter() - self.step_start
-        stop = False
-        if self.is_main:
-            record = {
-                "epoch": self.epoch,
-                "iteration": self.step,
-                "loss": loss_sum / max(count, 1),
-                "accuracy": correct / count if self.is_classifier and count else None,
-                "lr": float(self.optimizer.param_groups[0]["lr"]),
-                "elapsed": self.elapsed(),
-                "samples_per_s": count / max(seconds, 1e-9),
-            }
-            stop = self._call_output_fns(record, "iteration")
+        record = self._record(self.window - self.step_mark, time.perf_counter() - self.step_start)
+        stop = self._call_output_fns(record, "iteration") if record is not None else False
         self._mark_step()
         return self._share_stop(stop)
 
