@@ -218,3 +218,18 @@ def test_gpu_output_on_the_current_device(folder, backend):
         assert x.device == y.device == torch.device("cuda", torch.cuda.current_device())
         assert x.shape == (8, 3, SIZE, SIZE) and x.dtype == torch.float32 and y.dtype == torch.int64
     assert colour_labels(x.cpu()) == y.cpu().tolist()
+
+
+@pytest.mark.skipif(not available("nvidia.dali"), reason="DALI is not installed")
+def test_dali_next_epoch_started_ahead_matches_a_fresh_pass(folder):
+    """The pipeline started during epoch 0's last batch serves epoch 1 exactly as a fresh pass would;
+    a pass other than the expected one drops it and rebuilds."""
+    ld = load(folder, "dali", seed=3)
+    for _ in ld:
+        pass
+    ahead = [x.clone() for x, _ in ld]  # epoch 1, from the pipeline started during epoch 0
+    fresh = load(folder, "dali", seed=3)
+    fresh.set_epoch(1)
+    assert all(torch.equal(a, b) for a, (b, _) in zip(ahead, fresh, strict=True))
+    ld.set_epoch(0)
+    assert len(list(ld)) == len(ld)

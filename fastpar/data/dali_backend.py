@@ -14,6 +14,13 @@ Determinism: the order is exact for a (seed, epoch). The pipeline is rebuilt at 
 with a seed derived from (seed, epoch, rank, first batch), so an epoch iterated from its start repeats
 its crops and flips exactly; an epoch resumed mid-way gets the same samples in the same batches but
 different (still seeded) crops and flips than the uninterrupted run would have drawn.
+
+Epoch boundaries: when a pass has its last batch, the pipeline for the pass expected next (epoch + 1
+from its start: the cursor after a full pass) is built with that pass's seed and starts prefetching,
+so the next epoch's first batches decode while the caller finishes this one, as the bare pipeline's
+reader does by running on. Its batches are the ones a fresh build would give; a pass that asks for
+anything else (``set_epoch`` to another epoch, ``load_state_dict``, new corrupt files) drops it. The
+cost: between epochs a loader holds a second pipeline with ``prefetch_queue_depth`` decoded batches.
 """
 
 from __future__ import annotations
@@ -140,6 +147,7 @@ class DaliImageBackend:
         self.corrupt: set[int] = set()  # sample indices found undecodable, excluded from later batches
         # GPU decoding (nvJPEG) on the rank's GPU; CPU threads only when the loader outputs to CPU
         self.device_id = None if device.type != "cuda" else (device.index or 0)
+        self._ahead = None  # (epoch, kept batches, started pipeline) for the pass expected next
 
     def _build(self, batches: list[np.ndarray], seed: int):
         from nvidia.dali import fn, pipeline_def, types
@@ -175,13 +183,24 @@ class DaliImageBackend:
         return torch.from_dlpack(dali_batch.as_tensor())
 
     def iterate(
-        self, epoch: int, batches: list[tuple[np.ndarray, np.ndarray]], on_corrupt: Callable[[list[str]], None]
+        self,
+        epoch: int,
+        batches: list[tuple[np.ndarray, np.ndarray]],
+        on_corrupt: Callable[[list[str]], None],
+        next_pass: Callable[[], tuple[int, list[tuple[np.ndarray, np.ndarray]]]] | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield (images, labels) for ``batches`` in order; corrupt files go to ``on_corrupt(paths)``."""
+        """Yield (images, labels) for ``batches`` in order; corrupt files go to ``on_corrupt(paths)``.
+
+        ``next_pass() -> (epoch, batches)``: the pass expected after this one, if it runs to the end. Its
+        pipeline is built and starts prefetching once this pass has its last batch, so the next epoch's
+        first batches decode while the caller is busy between epochs (the bare pipeline's reader does the
+        same by running on into the next epoch). It is the pipeline a fresh start of that pass would
+        build, with the same seed, so the batches are identical; a pass that asks for anything else drops it.
+        """
         done = 0
         while done < len(batches):
             try:
-                yield from self._run(epoch, batches, done)
+                yield from self._run(epoch, batches, done, next_pass)
                 return
             except _DecodeFailure as failure:
                 done = failure.batch
@@ -191,21 +210,63 @@ class DaliImageBackend:
                 self.corrupt.update(bad)
                 on_corrupt([self.files[i] for i in sorted(bad)])
 
-    def _run(self, epoch: int, batches: list[tuple[np.ndarray, np.ndarray]], start: int):
-        kept = [indices[~np.isin(indices, list(self.corrupt))] if self.corrupt else indices for indices, _ in batches]
-        pending = [k for k in range(start, len(batches)) if len(kept[k])]
-        pipe = self._build([kept[k] for k in pending], _pipeline_seed(self.seed, epoch, self.rank, start))
+    def _kept(self, batches: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+        """The planned sample indices without the files already found corrupt."""
+        if not self.corrupt:
+            return [indices for indices, _ in batches]
+        corrupt = list(self.corrupt)
+        return [indices[~np.isin(indices, corrupt)] for indices, _ in batches]
+
+    def _start(self, epoch: int, kept: list[np.ndarray], start: int):
+        """A pipeline for batches ``start:`` of ``kept`` that has been asked for its first batch."""
+        pending = [kept[k] for k in range(start, len(kept)) if len(kept[k])]
+        pipe = self._build(pending, _pipeline_seed(self.seed, epoch, self.rank, start))
+        if pending:
+            pipe.schedule_run()  # prefetch: the first prefetch_queue_depth batches start decoding now
+        return pipe
+
+    def _take_ahead(self, epoch: int, kept: list[np.ndarray], start: int):
+        """The pipeline started ahead for this very pass, if there is one; any other is dropped."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or start != 0:
+            return None
+        ahead_epoch, ahead_kept, pipe = ahead
+        same = ahead_epoch == epoch and len(ahead_kept) == len(kept)
+        if same and all(np.array_equal(a, b) for a, b in zip(ahead_kept, kept, strict=True)):
+            return pipe
+        return None
+
+    def _start_ahead(self, next_pass) -> None:
+        try:
+            epoch, batches = next_pass()
+            kept = self._kept(batches)
+            self._ahead = (epoch, kept, self._start(epoch, kept, 0))
+        except Exception:  # only a head start: the pass itself builds again and reports any error
+            self._ahead = None
+
+    def _run(self, epoch: int, batches: list[tuple[np.ndarray, np.ndarray]], start: int, next_pass=None):
+        kept = self._kept(batches)
+        pipe = self._take_ahead(epoch, kept, start)
+        if pipe is None:
+            pipe = self._start(epoch, kept, start)
+        first = True  # the first batch was scheduled when the pipeline started
         try:
             for k in range(start, len(batches)):
                 labels = torch.from_numpy(self.labels[kept[k]]).to(self.device, non_blocking=True)
                 if not len(kept[k]):  # every file of this batch was corrupt: keep the batch count equal
-                    yield torch.empty((0, 3, self.size, self.size), device=self.device), labels
-                    continue
-                try:
-                    (images,) = pipe.run()
-                except Exception as exc:  # DALI raises RuntimeError for undecodable data
-                    raise _DecodeFailure(k, exc) from exc
-                yield self._to_torch(images), labels
+                    images = torch.empty((0, 3, self.size, self.size), device=self.device)
+                else:
+                    try:
+                        if not first:
+                            pipe.schedule_run()
+                        first = False
+                        (dali_images,) = pipe.outputs()
+                    except Exception as exc:  # DALI raises RuntimeError for undecodable data
+                        raise _DecodeFailure(k, exc) from exc
+                    images = self._to_torch(dali_images)
+                if k == len(batches) - 1 and next_pass is not None:
+                    self._start_ahead(next_pass)
+                yield images, labels
         finally:
             del pipe
 

@@ -149,7 +149,13 @@ class ImageLoader(PlannedLoader):
         self.corrupt_files.extend(p for p in paths if p not in self.corrupt_files)
 
     def _iterate(self, epoch: int, batches: list) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        yield from self.backend.iterate(epoch, batches, self._record_corrupt)
+        def next_pass() -> tuple[int, list]:  # a pass run to its end leaves the cursor at (epoch + 1, 0)
+            return epoch + 1, rank_batches(self.spec, epoch + 1)
+
+        if self.backend.name == "dali":
+            yield from self.backend.iterate(epoch, batches, self._record_corrupt, next_pass)
+        else:
+            yield from self.backend.iterate(epoch, batches, self._record_corrupt)
         if len(self.corrupt_files) > self._warned:  # warn once per newly found set, with count and paths
             new = self.corrupt_files[self._warned :]
             self._warned = len(self.corrupt_files)
