@@ -58,7 +58,8 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], caps: S
     order = list(order)
     torch_assign = getattr(dist, "_compute_bucket_assignment_by_size", None)
     if torch_assign is not None and len(order) == len(params):
-        indices, _ = torch_assign(list(params), list(caps), [False] * len(params), order)
+        # torch takes the tensors in bucketing order; ``order`` only labels them with their indices
+        indices, _ = torch_assign([params[i] for i in order], list(caps), [False] * len(params), order)
         return [list(bucket) for bucket in indices]
     closed: list[list[int]] = []
     open_buckets: dict[tuple, tuple[list[int], int, int]] = {}  # key -> (members, bytes, how many closed)
