@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from . import launch
-from .harness import BenchUsageError, Plan, WrongResultError, count_mismatches, interleaved_rounds, median
+from .harness import BenchUsageError, Plan, WrongResultError, count_mismatches
 from .table import BenchReport, Column, PlotSpec
 
 DESCRIPTION = "DDP step time: fastpar vs torch DDP variants vs a no-communication step"
@@ -138,14 +138,9 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
             listing = ", ".join(f"{v}: {n} parameters differ" for v, n in wrong.items() if n)
             raise WrongResultError(f"{model_name}: after one step on the same batch, vs stock DDP: {listing}")
         batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(100 + rank)).to(device)
-        times = interleaved_rounds(
-            {v: (lambda t=t, x=batch: t.step(x)) for v, t in trainees.items()},
-            plan,
-            device,
-            before_round=lambda: launch.barrier(device),
+        results[model_name] = launch.time_on_all_ranks(
+            {v: (lambda t=t, x=batch: t.step(x)) for v, t in trainees.items()}, plan, device
         )
-        seconds = launch.slowest([median(times[v]) for v in trainees], device)
-        results[model_name] = dict(zip(trainees, seconds, strict=True))
         del trainees
     return _report(args, world_size, results) if rank == 0 else None
 
@@ -215,6 +210,4 @@ def run(args: argparse.Namespace) -> BenchReport | None:
         raise BenchUsageError(f"--batch must be at least 1, got {args.batch}")
     possible, args.skip_notes = available_variants()
     args.variant_list = [v for v in possible if v in wanted]
-    world = launch.resolve_world(args.nproc, args.backend)
-    args.backend = world.backend
-    return launch.run_ranks(_rank_main, args, world, threads=args.threads)
+    return launch.run_distributed(_rank_main, args)

@@ -32,8 +32,6 @@ from .harness import (
     count_mismatches,
     dtype_name,
     format_bytes,
-    interleaved_rounds,
-    median,
     parse_dtype,
     synchronize,
 )
@@ -159,16 +157,14 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
         listing = ", ".join(f"{k}: {v} wrong elements" for k, v in wrong.items() if v)
         raise WrongResultError(f"fusion on {world_size} ranks gave wrong results ({listing})")
     slow = {name: args.slow_iters for name in SLOW_VARIANTS}
-    times = interleaved_rounds(
+    seconds = launch.time_on_all_ranks(
         {name: call for name, (_, call) in paths.items()},
         Plan(args.warmup, args.rounds, args.iters),
         device,
         iters=slow,
         warmups={name: 0 for name in SLOW_VARIANTS},
-        before_round=lambda: launch.barrier(device),
     )
-    seconds = launch.slowest([median(times[name]) for name in names], device)
-    return _report(args, world_size, dtype, dict(zip(names, seconds, strict=True))) if rank == 0 else None
+    return _report(args, world_size, dtype, seconds) if rank == 0 else None
 
 
 def _report(args, world_size: int, dtype: torch.dtype, seconds: dict[str, float]) -> BenchReport:
@@ -223,6 +219,4 @@ def run(args: argparse.Namespace) -> BenchReport | None:
     _selected(args)
     if parse_dtype(args.dtype) not in (torch.float32, torch.float16, torch.bfloat16):
         raise BenchUsageError(f"fusion needs float32, float16 or bfloat16 (fastpar buckets), got {args.dtype}")
-    world = launch.resolve_world(args.nproc, args.backend)
-    args.backend = world.backend
-    return launch.run_ranks(_rank_main, args, world, threads=args.threads)
+    return launch.run_distributed(_rank_main, args)
