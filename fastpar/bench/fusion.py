@@ -85,7 +85,7 @@ def build_path(
 ) -> tuple[list[torch.Tensor], Callable]:
     """The tensors a path reduces (as the check sees them) and one call of the path."""
     from ..ddp import all_reduce_coalesced
-    from ..ddp.coalesced import auto_bucket_cap_mb, plan_coalesced_buckets
+    from ..ddp.coalesced import plan_coalesced_buckets
 
     if name == "single":
         flat = torch.zeros(count * numel, dtype=dtype, device=device)
@@ -112,7 +112,7 @@ def build_path(
     if name == "fastpar_bucketed":
         return tensors, lambda: all_reduce_coalesced(tensors, None, bucket_cap_mb=cap_mb, scale=1.0)
     if name == "fastpar_views":
-        buckets = plan_coalesced_buckets(tensors, cap_mb if cap_mb is not None else auto_bucket_cap_mb(device))
+        buckets = plan_coalesced_buckets(tensors, cap_mb, dist.get_world_size())
         flats = [torch.zeros(len(b) * numel, dtype=dtype, device=device) for b in buckets]
         views = [view for flat in flats for view in flat.split(numel)]
 
@@ -136,10 +136,12 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
     device = launch.rank_device(args.backend)
     dtype = parse_dtype(args.dtype)
     names = _selected(args)
-    from ..ddp.coalesced import auto_bucket_cap_mb
+    from ..ddp.buckets import default_caps
 
     if args.bucket_cap_mb is None:
-        args.cap_note = f"{auto_bucket_cap_mb(device)} MB (auto: fastpar's choice on {device.type})"
+        probe = [torch.empty(args.numel, dtype=dtype, device=device)] * args.count
+        caps_mb = [c / 2**20 for c in default_caps(probe, world_size)]
+        args.cap_note = f"{caps_mb[0]:g} MB first, then {caps_mb[-1]:g} MB (fastpar's default on {device.type})"
     paths = {name: build_path(name, args.count, args.numel, dtype, device, args.bucket_cap_mb) for name in names}
     wrong: dict[str, int] = {}
     for name, (tensors, call) in paths.items():  # check every path once before timing anything

@@ -1,25 +1,23 @@
-"""Construction-time checks and state sync for fastpar's DDP: argument validation with actionable
-messages, the cross-rank parameter-shape check, and the list of parameters to reduce."""
+"""Construction-time checks for fastpar's DDP: what it refuses (with what to do instead), the cross-rank
+parameter check that names the first differing parameter, and the bucket caps torch would use."""
 
 from __future__ import annotations
 
+import inspect
+import sys
+
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_group
+from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
-from .buckets import DEFAULT_FIRST_BUCKET_BYTES, TORCH_BUCKET_BYTES
+from .buckets import DEFAULT_FIRST_BUCKET_BYTES
 
-_MB = 1024 * 1024
 GRAD_DTYPES = (None, torch.float32, torch.float16, torch.bfloat16)
+_PARENT_PARAMS = inspect.signature(_TorchDDP.__init__).parameters
 
 
-def refuse_unsupported(
-    delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision, skip_all_reduce_unused_params
-) -> None:
-    if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
-        raise NotImplementedError(
-            "fastpar DDP does not support delay_all_reduce_named_params/param_to_hook_all_reduce; "
-            "use torch.nn.parallel.DistributedDataParallel for delayed all-reduce"
-        )
+def refuse_unsupported(mixed_precision, skip_all_reduce_unused_params) -> None:
     if mixed_precision is not None:
         raise NotImplementedError(
             "fastpar DDP does not support torch's prototype mixed_precision config; keep parameters in fp32 and "
@@ -32,86 +30,77 @@ def refuse_unsupported(
         )
 
 
-def params_to_reduce(module: torch.nn.Module, ignore: set[str]) -> tuple[list[torch.nn.Parameter], list[str]]:
-    """Parameters that require grad, deduplicated (tied weights once), in registration order."""
-    params, names, seen = [], [], set()
-    for name, p in module.named_parameters():  # named_parameters already skips shared duplicates
-        if name in ignore or not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        params.append(p)
-        names.append(name)
-    if not params:
-        raise RuntimeError(
-            "DistributedDataParallel is not needed when a module doesn't have any parameter that requires a "
-            "gradient: every parameter has requires_grad=False (or is ignored). Train at least one parameter, "
-            "or call the module directly without DDP."
-        )
-    for name, p in zip(names, params, strict=True):
-        if isinstance(p, torch.nn.parameter.UninitializedParameter):
-            raise RuntimeError(
-                f"Modules with uninitialized parameters can't be used with DistributedDataParallel ({name} is "
-                "lazy); run a dummy forward pass to initialise them first"
-            )
-        if p.layout != torch.strided:
-            raise NotImplementedError(f"fastpar DDP reduces dense parameters only; {name} has layout {p.layout}")
-    for m_name, m in module.named_modules():
-        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
-            raise NotImplementedError(
-                f"fastpar DDP does not reduce sparse gradients ({m_name} has sparse=True); use sparse=False"
-            )
-    return params, names
-
-
-def resolve_devices(params, device_ids, output_device):
-    """(device_ids, output_device) as torch stores them, after checking they fit the module."""
-    devices = {p.device for p in params}
-    types = {d.type for d in devices}
-    if len(types) != 1 or len(devices) != 1:
-        raise ValueError(
-            f"fastpar DDP needs every parameter on one device (CPU, or one CUDA device per process), got {devices}; "
-            "move the module with module.to(device) first"
-        )
-    device = next(iter(devices))
-    if device_ids is not None and len(device_ids) > 1:
-        raise ValueError("device_ids can only be None or contain a single element (one device per process)")
-    if device.type == "cpu" or not device_ids:
-        if device_ids or output_device is not None:
-            raise ValueError(
-                f"device_ids={device_ids} and output_device={output_device} only apply to CUDA modules, but the "
-                f"module's parameters are on {device}; pass device_ids=None (or move the module to the GPU first)"
-            )
-        return None, None, device
-    ids = [torch._utils._get_device_index(d, True) for d in device_ids]
-    if ids[0] != device.index:
-        raise ValueError(
-            f"device_ids={list(device_ids)} but the module's parameters are on {device}; "
-            f"pass device_ids=[{device.index}] or move the module to cuda:{ids[0]}"
-        )
-    out = torch._utils._get_device_index(output_device if output_device is not None else device_ids[0], True)
-    return ids, out, device
-
-
-def bucket_caps(bucket_cap_mb, bucket_cap_mb_list) -> tuple[list[int], int]:
-    """Byte caps per bucket (first, then the rest) and the ``bucket_bytes_cap`` torch exposes."""
-    if bucket_cap_mb_list:
-        caps = [int(mb * _MB) for mb in bucket_cap_mb_list]
-        return caps, max(caps)
-    if bucket_cap_mb is None:  # fastpar picks the layout (buckets.auto_caps); torch's numbers for the attribute
-        return [DEFAULT_FIRST_BUCKET_BYTES, TORCH_BUCKET_BYTES], TORCH_BUCKET_BYTES
-    if bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-    return [int(bucket_cap_mb * _MB)], int(bucket_cap_mb * _MB)
-
-
 def check_grad_dtype(grad_dtype) -> None:
     if grad_dtype not in GRAD_DTYPES:
         raise ValueError(f"grad_dtype must be None, torch.float32, torch.float16 or torch.bfloat16, got {grad_dtype}")
 
 
-def verify_shapes_across_ranks(group, names: list[str], params: list[torch.Tensor]) -> None:
+def parent_kwargs(**kwargs) -> dict:
+    """The arguments for torch's constructor; one the installed torch lacks may only hold its default."""
+    out = {}
+    for name, value in kwargs.items():
+        if name in _PARENT_PARAMS:
+            out[name] = value
+        elif value not in (None, False):
+            raise TypeError(
+                f"DistributedDataParallel({name}=...) needs a newer torch than {torch.__version__}; upgrade torch "
+                f"or leave {name} at its default"
+            )
+    return out
+
+
+def resolve_group(process_group, device_mesh) -> dist.ProcessGroup:
+    if process_group is not None:
+        return process_group
+    if device_mesh is not None:
+        return device_mesh.get_group(mesh_dim=0)
+    return _get_default_group()
+
+
+def check_parameters(module: torch.nn.Module, parameters, expect_sparse_gradient) -> list[str]:
+    """The names of ``parameters`` (torch's list for the reducer), after refusing what fastpar cannot reduce."""
+    names_by_id: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names_by_id.setdefault(id(p), name)
+    names = [names_by_id.get(id(p), f"parameter[{i}]") for i, p in enumerate(parameters)]
+    for name, p, sparse in zip(names, parameters, expect_sparse_gradient, strict=True):
+        if sparse:
+            raise NotImplementedError(
+                f"fastpar DDP does not reduce sparse gradients ({name} comes from an Embedding with sparse=True); "
+                "use sparse=False"
+            )
+        if p.layout != torch.strided:
+            raise NotImplementedError(f"fastpar DDP reduces dense parameters only; {name} has layout {p.layout}")
+    devices = {p.device for p in parameters}
+    if len(devices) > 1:
+        raise ValueError(
+            f"fastpar DDP needs every parameter on one device (CPU, or one CUDA device per process), got "
+            f"{sorted(map(str, devices))}; move the module with module.to(device) first"
+        )
+    return names
+
+
+def bucket_caps(ddp: _TorchDDP, parameters, static_graph: bool, world_size: int) -> tuple[list[int], list[int]]:
+    """(caps for the rebuilt layout, caps for the first layout), as the installed torch computes them."""
+    config = getattr(ddp, "_bucket_config", None)
+    per_bucket = list(getattr(config, "per_bucket_bytes_caps", ()) or ())
+    if per_bucket:
+        return per_bucket, per_bucket
+    cap = ddp.bucket_bytes_cap
+    first = config.first_bucket_bytes_cap if config is not None else DEFAULT_FIRST_BUCKET_BYTES
+    caps = [first, cap] if first < cap else [cap]
+    if static_graph or not ddp.find_unused_parameters:
+        return caps, [sys.maxsize]  # one bucket per dtype until the real gradient order is known
+    return caps, caps
+
+
+def verify_shapes_across_ranks(group: dist.ProcessGroup, module: torch.nn.Module, delay_named) -> None:
     """Every rank must hold the same parameters; the error names the first one that differs."""
-    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(names, params, strict=True)]
+    ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    ignore |= {name for name, _ in delay_named or ()}
+    mine = [
+        (n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters() if n not in ignore and p.requires_grad
+    ]
     everyone: list = [None] * group.size()
     dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]

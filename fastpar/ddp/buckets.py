@@ -1,8 +1,11 @@
-"""Bucket assignment and the flat buffers gradients live in.
+"""The bucket layout and the flat buffers gradients live in: one record per parameter, one rule for
+bucket boundaries (shared by DDP and :func:`fastpar.ddp.all_reduce_coalesced`).
 
-A bucket holds parameters of one dtype and device. Its ``grad_flat`` (parameter dtype) backs the
-``.grad`` views in view mode; ``comm_flat`` is what the collective reduces: ``grad_flat`` itself, or
-a separate buffer when reducing in a lower precision (``grad_dtype``) or without views.
+The layout contract (torch's): a parameter whose memory is dense gets a bucket view with the
+parameter's own strides, so autograd writes its gradient straight into the bucket and the bucket holds
+the gradient in the parameter's *storage* order (a channels_last weight stays channels_last). Every
+copy into or out of a bucket therefore moves storage order to storage order (:func:`storage_flat`);
+a non-dense parameter gets a contiguous view, as autograd gives it a contiguous gradient.
 """
 
 from __future__ import annotations
@@ -12,63 +15,64 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["Bucket", "assign_buckets", "auto_caps", "build_buckets", "initial_buckets"]
+__all__ = [
+    "Bucket",
+    "ParamSlot",
+    "assign_buckets",
+    "build_buckets",
+    "default_caps",
+    "initial_layout",
+    "same_layout",
+    "storage_flat",
+]
 
-DEFAULT_FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
-TORCH_BUCKET_BYTES = 25 * 1024 * 1024  # torch's default bucket_cap_mb
-CPU_BUCKET_BYTES = 4 * 1024 * 1024
+_MB = 1024 * 1024
+DEFAULT_FIRST_BUCKET_BYTES = _MB  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
+TORCH_BUCKET_BYTES = 25 * _MB  # torch's default bucket_cap_mb
+CPU_BUCKET_BYTES = 4 * _MB
 CPU_MAX_BUCKETS = 64
 
 
-def auto_caps(params: Sequence[torch.Tensor], world_size: int) -> list[int]:
-    """Bucket caps fastpar picks when the user gives no ``bucket_cap_mb``.
+def default_caps(tensors: Sequence[torch.Tensor], world_size: int) -> list[int]:
+    """Byte caps (first bucket, then the rest) fastpar uses when the user gives no ``bucket_cap_mb``.
 
-    CPU (gloo): ~4 MiB buckets. Measured on 2 ranks x 1 thread (``fastpar bench ddp`` models): against
-    torch's 25 MiB, more of the all-reduce runs during backward and at most ~4 MiB is left to reduce after
-    it (the MLP: 1.82x the no-communication step instead of 1.97x, same run); 0.5-1 MiB buckets lose again
-    to gloo's fixed CPU cost per collective (~0.3 ms each). Huge models keep at most ``CPU_MAX_BUCKETS``
-    buckets. Other devices: torch's layout (a 1 MiB first bucket, then 25 MiB).
-    Only at world size <= 2, where the layout cannot change results (each element is one a + b,
-    commutative in floating point): at larger world sizes the collective's summation order depends on
-    the layout, so fastpar keeps torch's and with it torch's bits.
+    CPU (gloo), world size <= 2: ~4 MiB buckets. Measured on 2 ranks x 1 thread (``fastpar bench ddp``
+    models): against torch's 25 MiB, more of the all-reduce runs during backward and at most ~4 MiB is
+    left after it; 0.5-1 MiB buckets lose again to gloo's fixed cost per collective (~0.3 ms). Huge models
+    keep at most ``CPU_MAX_BUCKETS`` buckets. At world size <= 2 the layout cannot change results (each
+    element is one a + b); above it the collective's summation order depends on the layout, so fastpar
+    keeps torch's (a 1 MiB first bucket, then 25 MiB), and with it torch's bits. Other devices: torch's.
     """
-    if params[0].device.type != "cpu" or world_size > 2:
+    if not tensors or tensors[0].device.type != "cpu" or world_size > 2:
         return [DEFAULT_FIRST_BUCKET_BYTES, TORCH_BUCKET_BYTES]
-    total = sum(p.numel() * p.element_size() for p in params)
+    total = sum(t.numel() * t.element_size() for t in tensors)
     return [DEFAULT_FIRST_BUCKET_BYTES, max(CPU_BUCKET_BYTES, -(-total // CPU_MAX_BUCKETS))]
 
 
-def initial_buckets(params: Sequence[torch.Tensor], caps: Sequence[int]) -> list[list[int]]:
-    """torch DDP's layout before the first backward: assigned in registration order, then the list of
-    buckets reversed (members keep registration order), so offsets match torch's bucket for bucket."""
-    return list(reversed(assign_buckets(params, range(len(params)), caps)))
+def assign_buckets(tensors: Sequence[torch.Tensor], order: Sequence[int], caps: Sequence[int]) -> list[list[int]]:
+    """Group tensor indices, taken in ``order``, into buckets of one dtype and device each.
 
-
-def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], caps: Sequence[int]) -> list[list[int]]:
-    """Group parameter indices, taken in ``order``, into buckets of one dtype and device each.
-
-    Bucket k of a dtype closes once it holds ``caps[min(k, len(caps) - 1)]`` bytes or more (so a
-    small ``caps[0]`` gives a small first bucket, like torch). Buckets come out in the order of
-    their first member, so bucket 0 holds the first gradients to arrive. torch's own assignment
-    function does this when it exists: the same contents and offsets keep the all-reduce's summation
-    order, and so the bits at world size > 2, identical to torch DDP's.
+    Bucket k of a dtype closes once it holds ``caps[min(k, len(caps) - 1)]`` bytes or more (a small
+    ``caps[0]`` gives a small first bucket, as in torch). Buckets come out in the order of their first
+    member. torch's own assignment function is used when it exists: the same contents and offsets keep
+    the all-reduce's summation order, and so the bits at world size > 2, identical to torch DDP's.
     """
     if not caps or min(caps) <= 0:
         raise ValueError(f"bucket caps must be positive, got {list(caps)}")
     order = list(order)
     torch_assign = getattr(dist, "_compute_bucket_assignment_by_size", None)
-    if torch_assign is not None and len(order) == len(params):
+    if torch_assign is not None and len(order) == len(tensors):
         # torch takes the tensors in bucketing order; ``order`` only labels them with their indices
-        indices, _ = torch_assign([params[i] for i in order], list(caps), [False] * len(params), order)
+        indices, _ = torch_assign([tensors[i] for i in order], list(caps), [False] * len(order), order)
         return [list(bucket) for bucket in indices]
     closed: list[list[int]] = []
     open_buckets: dict[tuple, tuple[list[int], int, int]] = {}  # key -> (members, bytes, how many closed)
     for i in order:
-        p = params[i]
-        key = (p.dtype, p.device)
+        t = tensors[i]
+        key = (t.dtype, t.device)
         members, size, n_closed = open_buckets.get(key, ([], 0, 0))
         members.append(i)
-        size += p.numel() * p.element_size()
+        size += t.numel() * t.element_size()
         if size >= caps[min(n_closed, len(caps) - 1)]:
             closed.append(members)
             open_buckets[key] = ([], 0, n_closed + 1)
@@ -80,91 +84,172 @@ def assign_buckets(params: Sequence[torch.Tensor], order: Sequence[int], caps: S
     return closed
 
 
-def _grad_view(flat: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
-    """A view of ``flat`` shaped (and strided) like ``param``, so autograd accumulates into it in place."""
-    n = param.numel()
-    if param.is_contiguous() or n <= 1:
-        return flat.narrow(0, offset, n).view(param.shape)
-    return flat.as_strided(param.size(), param.stride(), offset)  # e.g. channels_last weights
+def initial_layout(params: Sequence[torch.Tensor], caps: Sequence[int]) -> list[list[int]]:
+    """torch DDP's layout before the first backward: assigned in registration order, then the list of
+    buckets reversed (members keep registration order), so offsets match torch's bucket for bucket."""
+    return list(reversed(assign_buckets(params, range(len(params)), caps)))
 
 
-class Bucket:
-    """Parameters reduced by one collective, and their flat buffers."""
+def is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill ``numel`` consecutive storage slots in some order
+    (contiguous, channels_last, a transposed matrix, ...)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((s, d) for s, d in zip(t.stride(), t.shape, strict=True) if d != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and the same storage order (strides of size-1 dimensions do not matter)."""
+    return a.shape == b.shape and all(
+        sa == sb for sa, sb, d in zip(a.stride(), b.stride(), a.shape, strict=True) if d != 1
+    )
+
+
+def storage_flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense tensor's memory in storage order (no copy), e.g. a channels_last gradient as
+    laid out in memory. Copying storage order to storage order keeps a strided gradient's layout."""
+    if t.is_contiguous():
+        return t.view(-1)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
+class ParamSlot:
+    """Everything the reducer keeps for one parameter: where it lives in its bucket, and this step's state."""
 
     __slots__ = (
         "index",
-        "members",
-        "params",
-        "names",
+        "name",
+        "param",
+        "bucket",
+        "pos",
+        "offset",
         "numel",
-        "grad_flat",
-        "comm_flat",
-        "views",
-        "comm_views",
-        "dtype",
+        "dense",
+        "grad_view",
+        "comm_view",
+        "acc",
+        # per backward
+        "ready",
+        "used",
+        "staged",
+        "fires",
+        "expected_fires",
+        "saved",
     )
 
-    def __init__(
-        self,
-        index: int,
-        members: list[int],
-        params: list[torch.Tensor],
-        names: list[str],
-        grad_views: bool,
-        comm_dtype: torch.dtype | None,
-    ) -> None:
+    def __init__(self, index: int, name: str, param: torch.Tensor) -> None:
+        self.index, self.name, self.param = index, name, param
+        self.bucket: Bucket | None = None
+        self.pos = self.offset = 0
+        self.numel = param.numel()
+        self.dense = is_dense(param)
+        self.grad_view: torch.Tensor | None = None  # the .grad autograd accumulates into (view mode)
+        self.comm_view: torch.Tensor | None = None  # same layout, in the buffer the collective reduces
+        self.acc = None  # the parameter's AccumulateGrad node (unused-parameter search)
+        self.ready = self.used = self.staged = False
+        self.fires = 0
+        self.expected_fires = 1  # static graph: how many times the hook fires per backward (learned)
+        self.saved: torch.Tensor | None = None  # a stale .grad restored if no rank uses the parameter
+
+    def layout_view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's region of ``flat`` shaped like the parameter (its strides if dense)."""
+        if self.dense and not self.param.is_contiguous():
+            return flat.as_strided(self.param.size(), self.param.stride(), flat.storage_offset() + self.offset)
+        return flat.narrow(0, self.offset, self.numel).view(self.param.shape)
+
+    def region(self, flat: torch.Tensor) -> torch.Tensor:
+        """This parameter's region of ``flat`` as a 1-D slice (storage order)."""
+        return flat.narrow(0, self.offset, self.numel)
+
+    def grad_in_storage_order(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """``grad`` as a 1-D storage-order view when its layout matches the bucket's (the layout contract),
+        else None (the caller copies it through the strided view)."""
+        if not self.dense:
+            return grad.view(-1) if grad.is_contiguous() else None
+        if not same_layout(grad, self.param):
+            return None
+        return storage_flat(grad)
+
+    def reset_step(self) -> None:
+        """Forget this backward's progress (``used`` outlives it: no_sync micro-batches count)."""
+        self.ready = self.staged = False
+        self.fires = 0
+        self.saved = None
+
+
+class Bucket:
+    """Parameters reduced by one collective, and their flat buffers.
+
+    ``grad_flat`` (parameter dtype) backs the ``.grad`` views in view mode; ``comm_flat`` is what the
+    collective reduces: ``grad_flat`` itself, or a separate buffer when reducing in a lower precision
+    (``grad_dtype``) or without views.
+    """
+
+    __slots__ = ("index", "slots", "dtype", "numel", "grad_flat", "comm_flat", "pending", "work", "launched")
+
+    def __init__(self, index: int, slots: list[ParamSlot], grad_views: bool, comm_dtype: torch.dtype | None) -> None:
         self.index = index
-        self.members = members  # indices into the reducer's parameter list
-        self.params = params
-        self.names = names
-        self.dtype = params[0].dtype
-        self.numel = sum(p.numel() for p in params)
-        device = params[0].device
+        self.slots = slots
+        first = slots[0].param
+        self.dtype = first.dtype
+        device = first.device
+        offset = 0
+        for pos, slot in enumerate(slots):
+            slot.bucket, slot.pos, slot.offset = self, pos, offset
+            offset += slot.numel
+        self.numel = offset
         comm_dtype = comm_dtype or self.dtype
         self.grad_flat = torch.zeros(self.numel, dtype=self.dtype, device=device) if grad_views else None
         if grad_views and comm_dtype == self.dtype:
             self.comm_flat = self.grad_flat
         else:
             self.comm_flat = torch.zeros(self.numel, dtype=comm_dtype, device=device)
-        # grads live in grad_flat (view mode) or are read out of comm_flat (no views, same dtype)
-        view_source = self.grad_flat if grad_views else self.comm_flat
-        self.views: list[torch.Tensor] = []
-        self.comm_views: list[torch.Tensor] = []  # same layout as views, into comm_flat (view mode)
-        offset = 0
-        for p in params:
-            self.views.append(_grad_view(view_source, offset, p) if view_source.dtype == p.dtype else None)
-            self.comm_views.append(_grad_view(self.comm_flat, offset, p) if grad_views else None)
-            offset += p.numel()
+        for slot in slots:
+            slot.grad_view = slot.layout_view(self.grad_flat) if grad_views else None
+            slot.comm_view = slot.layout_view(self.comm_flat)
+        self.pending = len(slots)
+        self.work = None
+        self.launched = False
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [s.param for s in self.slots]
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.slots]
 
     @property
     def nbytes(self) -> int:
         return self.comm_flat.numel() * self.comm_flat.element_size()
 
+    def reset(self) -> None:
+        self.pending = len(self.slots)
+        self.work = None
+        self.launched = False
+
 
 def build_buckets(
-    params: Sequence[torch.Tensor],
-    names: Sequence[str],
-    assignment: list[list[int]],
-    grad_views: bool,
-    comm_dtype: torch.dtype | None,
+    slots: Sequence[ParamSlot], assignment: list[list[int]], grad_views: bool, grad_dtype: torch.dtype | None
 ) -> list[Bucket]:
-    """Allocate buckets for ``assignment``. In view mode the current gradients are moved into the new
-    views (once, at construction and at the rebuild), so nothing a user holds in ``.grad`` is lost."""
+    """Allocate buckets for ``assignment`` (lists of slot indices). In view mode each current ``.grad`` is
+    moved into its new view (at construction and at the rebuild), so nothing a user holds is lost."""
     buckets = []
     for index, members in enumerate(assignment):
-        bucket = Bucket(
-            index,
-            members,
-            [params[i] for i in members],
-            [names[i] for i in members],
-            grad_views,
-            comm_dtype if params[members[0]].dtype == torch.float32 else None,  # only fp32 is narrowed
-        )
+        members_slots = [slots[i] for i in members]
+        narrow = grad_dtype if members_slots[0].param.dtype == torch.float32 else None  # only fp32 is narrowed
+        bucket = Bucket(index, members_slots, grad_views, narrow)
         if grad_views:
             with torch.no_grad():
-                for p, view in zip(bucket.params, bucket.views, strict=True):
-                    if p.grad is not None:
-                        view.copy_(p.grad)
-                        p.grad = view
+                for slot in members_slots:
+                    grad = slot.param.grad
+                    if grad is not None and grad is not slot.grad_view:
+                        slot.grad_view.copy_(grad)
+                        slot.param.grad = slot.grad_view
         buckets.append(bucket)
     return buckets

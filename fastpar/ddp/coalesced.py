@@ -16,36 +16,20 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from .buckets import assign_buckets, default_caps
 
-__all__ = ["all_reduce_coalesced", "plan_coalesced_buckets", "auto_bucket_cap_mb"]
-
-_CPU_BUCKET_MB = 4.0  # measured (fastpar bench fusion, gloo): pack/unpack overlap the wire, ~0.3 ms per collective
-_OTHER_BUCKET_MB = 25.0
+__all__ = ["all_reduce_coalesced", "plan_coalesced_buckets"]
 
 
-def auto_bucket_cap_mb(device: torch.device) -> float:
-    """The bucket cap ``all_reduce_coalesced`` uses when none is given."""
-    return _CPU_BUCKET_MB if device.type == "cpu" else _OTHER_BUCKET_MB
-
-
-def plan_coalesced_buckets(tensors: Sequence[torch.Tensor], bucket_cap_mb: float = 25.0) -> list[list[int]]:
-    """Group tensor indices into buckets: one dtype and device per bucket, each under ``bucket_cap_mb``
-    (a tensor larger than the cap gets a bucket of its own). Order within a dtype is kept."""
-    if bucket_cap_mb <= 0:
+def plan_coalesced_buckets(
+    tensors: Sequence[torch.Tensor], bucket_cap_mb: float | None = None, world_size: int = 2
+) -> list[list[int]]:
+    """Group tensor indices into buckets of one dtype and device, with DDP's rule (``buckets.assign_buckets``):
+    ``bucket_cap_mb`` per bucket, or fastpar's default caps for ``world_size`` ranks when None."""
+    if bucket_cap_mb is not None and bucket_cap_mb <= 0:
         raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-    cap_bytes = int(bucket_cap_mb * 1024 * 1024)
-    buckets: list[list[int]] = []
-    open_bucket: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
-    for i, t in enumerate(tensors):
-        key = (t.dtype, t.device)
-        nbytes = t.numel() * t.element_size()
-        indices, used = open_bucket.get(key, (None, 0))
-        if indices is None or (used + nbytes > cap_bytes and indices):
-            indices, used = [], 0
-            buckets.append(indices)
-        indices.append(i)
-        open_bucket[key] = (indices, used + nbytes)
-    return buckets
+    caps = [int(bucket_cap_mb * 1024 * 1024)] if bucket_cap_mb is not None else default_caps(tensors, world_size)
+    return assign_buckets(tensors, range(len(tensors)), caps)
 
 
 class _BufferCache:
@@ -95,7 +79,7 @@ def all_reduce_coalesced(
     """All-reduce (SUM) ``tensors`` in place across ``group``, then multiply by ``scale``
     (``scale=1/world_size`` averages). Tensors may have different shapes and dtypes
     (float32/float16/bfloat16); each bucket holds one dtype. Every rank must pass tensors of the
-    same shapes, dtypes and order. ``bucket_cap_mb=None`` picks the size (:func:`auto_bucket_cap_mb`).
+    same shapes, dtypes and order. ``bucket_cap_mb=None``: fastpar DDP's default caps.
     """
     tensors = list(tensors)
     if not tensors:
@@ -103,11 +87,10 @@ def all_reduce_coalesced(
     for i, t in enumerate(tensors):
         if t.dtype not in ops.SUPPORTED_DTYPES:
             raise TypeError(f"all_reduce_coalesced: tensors[{i}] has dtype {t.dtype}; use float32/float16/bfloat16")
-    if bucket_cap_mb is None:
-        bucket_cap_mb = auto_bucket_cap_mb(tensors[0].device)
+    world_size = dist.get_world_size(group)
     pending: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
     try:
-        for indices in plan_coalesced_buckets(tensors, bucket_cap_mb):
+        for indices in plan_coalesced_buckets(tensors, bucket_cap_mb, world_size):
             members = [tensors[i] for i in indices]
             flat = _cache.take(sum(t.numel() for t in members), members[0].dtype, members[0].device)
             ops.pack(members, flat)

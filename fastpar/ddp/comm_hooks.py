@@ -44,13 +44,10 @@ class GradBucket:
         return self._is_last
 
     def gradients(self) -> list[torch.Tensor]:
-        """Views of ``buffer()`` shaped like each parameter."""
-        out, offset = [], 0
+        """Views of ``buffer()`` shaped like each parameter, with the parameter's strides (the layout the
+        bucket holds gradients in: a channels_last weight's gradient is channels_last here too)."""
         flat = self._buffer.view(-1)
-        for p in self._bucket.params:
-            out.append(flat.narrow(0, offset, p.numel()).view(p.shape))
-            offset += p.numel()
-        return out
+        return [slot.layout_view(flat) for slot in self._bucket.slots]
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self._bucket.params)

@@ -1,318 +1,520 @@
-"""The gradient reducer: per-parameter hooks, in-order async bucket launch, end-of-backward finalize.
+"""fastpar's gradient reducer, behind the interface of torch's C++ Reducer.
 
-Flow of a synchronised backward pass (``prepare_for_backward`` was called by the forward):
-each post-accumulate-grad hook counts its bucket down; a bucket whose last gradient arrived is
-filled (scaled by 1/world_size) and its all-reduce starts asynchronously — always in bucket order,
-so every rank issues the same collectives in the same order. The first hook queues ``_finalize``
-on the autograd engine; it runs when backward ends, waits for every bucket and leaves the
-averaged gradients in ``.grad``. Outside a synchronised pass (``no_sync``) hooks only keep
-``.grad`` in the bucket views, so accumulation happens in place.
+torch's DistributedDataParallel drives it exactly as it drives its own reducer (``prepare_for_forward`` /
+``prepare_for_backward`` from forward, ``_rebuild_buckets``, ``_delay_all_reduce`` for a static graph,
+the join hooks), and frameworks reach the same methods through ``model.reducer``.
+
+One synchronised backward: each parameter's post-accumulate-grad hook marks its slot ready; a complete
+bucket is staged (``gradient_path.stage``) and its collective starts asynchronously -- strictly in bucket
+order, so every rank issues the same collectives in the same order. Unused parameters are marked ready
+up front: from the autograd graph (``find_unused_parameters``) or from the first iteration
+(``static_graph``). After the last launch the end of backward is queued; it runs named steps: wait for
+each bucket (a deadline that names missing ranks), finish it into ``.grad``, record statistics, learn.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 import weakref
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .. import ops
-from . import _moves
-from .buckets import Bucket, assign_buckets, build_buckets, initial_buckets
-from .comm_hooks import GradBucket, hook_result
+from . import gradient_path
+from .buckets import ParamSlot, assign_buckets, build_buckets, initial_layout
+from .comm_hooks import GradBucket
 from .errors import StuckBucketDiagnoser, UnusedParametersError, pg_timeout_seconds
+from .waiting import BucketWaiter, WaitTimer
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
-_COPY_ON_ARRIVAL_MIN_NUMEL = 1 << 18  # 1 MiB of fp32: below, per-tensor dispatch costs more than it saves
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+_COPY_ON_ARRIVAL_MIN_NUMEL = 1 << 18  # CPU, 1 MiB of fp32: below, per-tensor dispatch costs more than it saves
 
 
 class Reducer:
     def __init__(
-        self, params, names, group, *, caps, initial_caps, grad_views, grad_dtype, tolerate_unused, rebuild, instance_id
-    ):
-        self.params, self.names, self.group, self.caps = params, names, group, caps
-        self.grad_views, self.grad_dtype = grad_views, grad_dtype
-        self.tolerate_unused = tolerate_unused  # find_unused_parameters or static_graph
+        self,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        group: dist.ProcessGroup,
+        *,
+        caps: list[int],
+        initial_caps: list[int],
+        grad_views: bool,
+        grad_dtype: torch.dtype | None,
+        find_unused: bool,
+        alias_divides: bool,
+        instance_id: int,
+    ) -> None:
+        self.group, self.world_size = group, group.size()
         self.device = params[0].device
-        self.world_size = group.size()
-        self.timeout_s = pg_timeout_seconds(group, self.device)
-        self.diagnoser = StuckBucketDiagnoser(group, instance_id)
-        self.comm_hook = None  # (hook, state)
-        self.join_divisor: tuple | None = None  # (work, divide_by_initial_world_size) from Join
-        # CPU: copy each large fresh gradient into its bucket as it arrives (measured faster: it is still
-        # in cache and its memory is reused at once); small ones, and all on GPU: one pack per bucket
+        self.slots = [ParamSlot(i, name, p) for i, (name, p) in enumerate(zip(names, params, strict=True))]
+        self.caps = caps  # for the rebuild
+        self.grad_views, self.grad_dtype = grad_views, grad_dtype
+        self.find_unused = find_unused
+        self.alias_divides = alias_divides  # torch's arithmetic for gradient_as_bucket_view=True: div_ in place
+        self.static_graph = False
+        self.comm_hook: tuple | None = None  # (hook, state)
+        self.buckets = build_buckets(self.slots, initial_layout(params, initial_caps), grad_views, grad_dtype)
+        diagnoser = StuckBucketDiagnoser(group, instance_id)
+        self.waiter = BucketWaiter(self.device, pg_timeout_seconds(group, self.device), diagnoser.diagnose)
+        self.timer = WaitTimer(self.device)
         self.set_copy_on_arrival(_COPY_ON_ARRIVAL_MIN_NUMEL if self.device.type == "cpu" else None)
-        self._install(initial_buckets(params, initial_caps))
-        self._arrival: list[int] | None = [] if rebuild else None
-        self._rebuild_due = False
-        # hooks hold the reducer weakly: dropping the DDP wrapper removes them (see __del__)
-        on_grad = weakref.WeakMethod(self._on_grad)
+        with torch.enable_grad():  # the AccumulateGrad nodes, kept alive as torch's reducer keeps them
+            for slot in self.slots:
+                slot.acc = slot.param.view_as(slot.param).grad_fn.next_functions[0][0]
+        on_grad = weakref.WeakMethod(self._on_grad)  # hooks must not keep a dropped wrapper alive
         self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(_forward_hook, on_grad, i))
-            for i, p in enumerate(params)
+            p.register_post_accumulate_grad_hook(functools.partial(_hook, on_grad, i)) for i, p in enumerate(params)
         ]
+        # torch Reducer counters and learned state
+        self.num_iterations = 0
+        self.num_backwards = 0
+        self.has_rebuilt = False
+        self.rebuild_order: list[int] = []
+        self._static_learned = False
+        self._static_unused: frozenset[int] = frozenset()  # globally unused, learned in the first iteration
+        self._join: tuple | None = None  # (work, divide_by_initial_world_size) from Join
+        self._runtime_sample_rate = 100
+        self.logger = None
         self.step = 0
         self.last_stats = {"step": 0, "bytes": 0, "collectives": 0, "wait_s": 0.0, "buckets": len(self.buckets)}
-        self._sync = False
-        self._reset()
-
-    # ---- setup -------------------------------------------------------------------------------
-    def _install(self, assignment: list[list[int]]) -> None:
-        self.buckets: list[Bucket] = build_buckets(
-            self.params, self.names, assignment, self.grad_views, self.grad_dtype
-        )
-        self._bucket_of = [0] * len(self.params)
-        self._view_of: list = [None] * len(self.params)
-        for b in self.buckets:
-            for i, v in zip(b.members, b.views, strict=True):
-                self._bucket_of[i] = b.index
-                self._view_of[i] = v
-        self._sizes = [len(b.members) for b in self.buckets]
-        self._comm_view_of: list = [None] * len(self.params)
-        self._casts = bytearray(len(self.params))  # view mode, reduced in a narrower dtype (grad_dtype)
-        for b in self.buckets:
-            for i, p, cv in zip(b.members, b.params, b.comm_views, strict=True):
-                self._comm_view_of[i] = cv
-                self._casts[i] = cv is not None and cv.dtype != p.dtype
-        self._comm_flat_of = [cv.view(-1) if c and cv.is_contiguous() else None for cv, c in
-                              zip(self._comm_view_of, self._casts, strict=True)]  # fmt: skip
-        # grad_dtype with a strided view: fresh fp32 gradients are scaled into this scratch, then rounded into
-        # the bucket (as ops.pack: scale in fp32, round once)
-        largest = max(
-            (p.numel() for i, p in enumerate(self.params) if self._casts[i] and self._comm_flat_of[i] is None),
-            default=0,
-        )
-        self._scratch = torch.empty(largest, dtype=torch.float32, device=self.device)
-
-    def set_copy_on_arrival(self, min_numel: int | None) -> None:
-        """Copy fresh gradients of at least ``min_numel`` elements on arrival (None: never; view mode only)."""
-        self.copy_on_arrival = self.grad_views and min_numel is not None
-        self._large = [min_numel is not None and p.numel() >= min_numel for p in self.params]
-
-    def _reset(self) -> None:
-        self._ready = bytearray(len(self.params))
-        self._prescaled = bytearray(len(self.params))  # copied into comm_flat on arrival
-        self._prescaled_n = [0] * len(self.buckets)
-        self._used = bytearray(len(self.params))
-        self._pending = list(self._sizes)
+        # per backward
+        self.expect_hooks = False
+        self._started = self._finalize_queued = self._end_check_queued = self._searched = False
         self._next = 0
-        self._works: list = [None] * len(self.buckets)
-        self._callback_queued = False
-        self._scale = 1.0 / self.world_size
+        self._scale, self._divisor = 1.0 / self.world_size, self.world_size
+        self._used_work: tuple | None = None
+        self._globally_unused: frozenset[int] | None = None
+        self._outputs_hook = None
         self._bytes = 0
 
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+    def set_copy_on_arrival(self, min_numel: int | None) -> None:
+        """Copy fresh gradients of at least ``min_numel`` elements into their bucket as they arrive (view mode;
+        None: never). On CPU a gradient copied while hot in cache, and freed at once, is measurably faster."""
+        self._arrival_min = min_numel if self.grad_views else None
 
-    def __del__(self) -> None:
-        self.remove_hooks()
+    # ---- what torch's DDP and frameworks call (torch's Reducer interface) ----------------------
+    def prepare_for_forward(self) -> None:
+        self._check_health()
+        self.num_iterations += 1
 
-    def maybe_rebuild(self) -> bool:
-        """Once, before the forward after the first synchronised backward: re-bucket in the order the
-        gradients arrived on rank 0 (broadcast, so every rank gets the same buckets)."""
-        if not self._rebuild_due:
+    def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
+        """The coming backward reduces gradients. ``outputs``: the forward's tensors, searched for unused
+        parameters when ``find_unused_parameters`` is set (torch passes them; ``[]`` otherwise)."""
+        if self._started:
+            return  # a forward inside a running backward (e.g. checkpointing the whole wrapper): keep its state
+        self._check_health()
+        self.expect_hooks = True
+        self._remove_outputs_hook()
+        if self._dynamic_find():
+            tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:  # fires in the backward that starts from these outputs, before any parameter's hook
+                search = weakref.WeakMethod(self._search_unused)
+                self._outputs_hook = torch.autograd.graph.register_multi_grad_hook(
+                    tensors, functools.partial(_hook, search, None), mode="any"
+                )
+
+    def _rebuild_buckets(self) -> bool:
+        """Once, before the forward after the first reducing backward: re-bucket in the order gradients
+        arrived on rank 0 (broadcast, so every rank agrees). True when it rebuilt."""
+        if not self._should_rebuild() or not self.rebuild_order:
             return False
-        self._rebuild_due = False
-        seen = set(self._arrival)
-        order = self._arrival + [i for i in reversed(range(len(self.params))) if i not in seen]
-        self._arrival = None
+        self._check_health()
+        seen = set(self.rebuild_order)
+        order = self.rebuild_order + [i for i in reversed(range(len(self.slots))) if i not in seen]
         order_t = torch.tensor(order, dtype=torch.int64, device=self.device)
         dist.broadcast(order_t, group=self.group, group_src=0)
-        assignment = assign_buckets(self.params, order_t.tolist(), self.caps)
-        if assignment != [b.members for b in self.buckets]:
-            self._install(assignment)
-            self._reset()
+        self.rebuild_order, self.has_rebuilt = [], True
+        assignment = assign_buckets([s.param for s in self.slots], order_t.tolist(), self.caps)
+        if assignment != [[s.index for s in b.slots] for b in self.buckets]:
+            self.buckets = build_buckets(self.slots, assignment, self.grad_views, self.grad_dtype)
         return True
 
-    # ---- per step ----------------------------------------------------------------------------
-    def prepare_for_backward(self, sync: bool) -> None:
-        """Called by forward: whether the coming backward reduces (torch decides this at forward time)."""
-        if self._callback_queued:
-            return  # a backward is running (forward inside backward, e.g. checkpointing): keep its state
-        self._sync = sync
+    def _push_all_rebuilt_params(self) -> None:
+        """A joined rank: rebuild as if every parameter had arrived, in index order (torch's semantics)."""
+        self.rebuild_order = list(range(len(self.slots)))
 
-    def _on_grad(self, i: int, param: torch.Tensor) -> None:
-        # hot path: runs once per parameter per backward
-        if not self._sync:
-            self._accumulate_locally(i, param)
-            return
-        if self._ready[i]:
+    def _set_static_graph(self) -> None:
+        if self.num_backwards:
             raise RuntimeError(
-                f"fastpar DDP: parameter {self.names[i]} received a gradient twice in one synchronised backward "
-                "(a second backward over the same forward, or reentrant use); run one backward per forward "
-                "or wrap the extra backward in model.no_sync()"
+                "fastpar DDP: _set_static_graph() must be called before the first backward; pass "
+                "static_graph=True to DistributedDataParallel instead"
             )
-        self._ready[i] = 1
-        self._used[i] = 1
-        if not self._callback_queued:
-            self._callback_queued = True
-            _queue_callback(self._finalize)
-            if self.join_divisor is not None:
-                self._apply_join_divisor()
-        if self._arrival is not None:
-            self._arrival.append(i)
-        b = self._bucket_of[i]
-        if self.copy_on_arrival and self._large[i]:
-            view = self._view_of[i]
-            grad = param.grad
-            if grad is not view:
-                # CPU: copy now, while the fresh gradient is hot, and free it at once (allocator reuse)
-                scale = 1.0 if self.comm_hook is not None else self._scale
-                with torch.no_grad():
-                    if self._casts[i] and self._comm_flat_of[i] is not None:
-                        ops.pack((grad,), self._comm_flat_of[i], scale)  # scale in fp32, round once, one pass
-                    elif self._casts[i]:  # a strided (e.g. channels_last) view: through an fp32 scratch
-                        scratch = self._scratch.narrow(0, 0, grad.numel()).view(grad.shape)
-                        torch.mul(grad, scale, out=scratch)
-                        self._comm_view_of[i].copy_(scratch)
-                    else:
-                        torch.mul(grad, scale, out=self._comm_view_of[i])
-                param.grad = view
-                self._prescaled[i] = 1
-                self._prescaled_n[b] += 1
-        self._pending[b] -= 1
-        if b == self._next and self._pending[b] == 0:
-            self._launch_in_order()
+        self.static_graph = True
 
-    def _accumulate_locally(self, i: int, param: torch.Tensor) -> None:
-        self._used[i] = 1  # torch counts use during no_sync too
-        view = self._view_of[i] if self.grad_views else None
-        if view is not None and param.grad is not view:
-            with torch.no_grad():
-                view.copy_(param.grad)
-            param.grad = view
+    def _delay_all_reduce(self) -> None:
+        """Static graph, end of the first iteration (queued by torch's DDP on the outermost backward):
+        learn how often each hook fires and which parameters are unused, then reduce everything at once."""
+        if not self.expect_hooks:
+            return
+        if not self._started:
+            self._start_backward()
+        self._launch_used_map()
+        for slot in self.slots:
+            slot.expected_fires = slot.fires  # 0: unused on this rank from now on
+            slot.ready = True
+        for bucket in self.buckets:
+            bucket.pending = 0
+        self._static_learned = True
+        self._launch_ready(queue_finalize=False)
+        self._finalize()
 
-    def _launch_in_order(self, unused: dict | None = None) -> None:
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:
-            self._launch(self.buckets[self._next], (unused or {}).get(self._next, ()))
-            self._next += 1
+    def _set_forward_pass_work_handle(self, work, divide_by_initial_world_size: bool) -> None:
+        self._join = (work, divide_by_initial_world_size)
 
-    def _launch(self, bucket: Bucket, unused) -> None:
-        scale = 1.0 if self.comm_hook is not None else self._scale  # torch's hooks divide themselves
-        prescaled = self._prescaled_n[bucket.index]
-        if prescaled == len(bucket.members):
-            pass  # every gradient was copied into comm_flat on arrival
-        elif prescaled:
-            _moves.fill_rest_of_bucket(bucket, scale, self._prescaled)
-        elif self.grad_views:
-            _moves.fill_views_bucket(bucket, scale, set(unused))
-        else:
-            _moves.fill_packed_bucket(bucket, scale)
-        self._works[bucket.index] = self._start_collective(bucket, bucket.comm_flat)
+    def _get_local_used_map(self) -> torch.Tensor:
+        return torch.tensor([int(s.used) for s in self.slots], dtype=torch.int32).to(self.device)
 
-    def _start_collective(self, bucket: Bucket, flat: torch.Tensor):
-        self._bytes += flat.numel() * flat.element_size()
+    def _get_zeros_like_grad_buckets(self) -> list[GradBucket]:
+        last = len(self.buckets) - 1
+        return [GradBucket(b, torch.zeros_like(b.comm_flat), b.index == last) for b in self.buckets]
+
+    def _run_comm_hook(self, bucket: GradBucket):
         if self.comm_hook is not None:
             hook, state = self.comm_hook
-            return hook(state, GradBucket(bucket, flat, bucket.index == len(self.buckets) - 1))
-        return dist.all_reduce(flat, group=self.group, async_op=True)
+            return hook(state, bucket)
+        return self._run_allreduce_hook(bucket)
 
-    def _apply_join_divisor(self) -> None:
-        work, divide_by_initial = self.join_divisor
-        self.join_divisor = None
-        if not divide_by_initial:  # average over the ranks that have not joined yet
-            work.wait()
-            self._scale = 1.0 / float(work.result()[0].item())
+    def _run_allreduce_hook(self, bucket: GradBucket):
+        return dist.all_reduce(bucket.buffer(), group=self.group, async_op=True).get_future()
 
-    def _wait(self, bucket: Bucket, work) -> torch.Tensor | None:
-        try:
-            if isinstance(work, torch._C.Future):  # from a comm hook
-                return hook_result(work.wait())
-            if self.device.type == "cpu":
-                work.wait(timeout=_timedelta(self.timeout_s))
-            else:
-                work.wait()  # NCCL: stream-ordered; its watchdog enforces the timeout
-            return None
-        except RuntimeError as exc:  # DistBackendError and gloo timeouts
-            grace = min(10.0, max(2.0, 0.2 * self.timeout_s))
-            raise self.diagnoser.diagnose(self.step, bucket.index, bucket.names, grace, exc) from exc
+    def register_comm_hook(self, state, hook) -> None:
+        if self.comm_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self.comm_hook = (hook, state)
+
+    def _check_reducer_finalized(self) -> None:
+        self._check_health()
+
+    def _remove_autograd_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._remove_outputs_hook()
+
+    def _reset_state(self) -> None:
+        self.has_rebuilt, self.rebuild_order = False, []
+        self._end_backward()
+
+    def _update_process_group(self, group: dist.ProcessGroup) -> None:
+        self._reset_state()
+        self.group, self.world_size = group, group.size()
+        self.waiter = BucketWaiter(self.device, pg_timeout_seconds(group, self.device), self.waiter._diagnose)
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        self._runtime_sample_rate = sample_rate
+
+    def set_logger(self, logger) -> None:
+        self.logger = logger
+
+    def _autograd_hook(self, index: int) -> None:
+        self._on_grad(index, self.slots[index].param)
+
+    def _set_mixed_precision_param_dtype(self, dtype) -> None:
+        raise NotImplementedError("fastpar DDP does not support torch's mixed_precision config; use grad_dtype")
+
+    def _set_optimizer_in_backward(self) -> None:
+        raise NotImplementedError("fastpar DDP does not support optimizers in backward; call optimizer.step()")
+
+    def _set_sparse_metadata(self, global_unique_ids) -> None:
+        raise NotImplementedError("fastpar DDP does not reduce sparse gradients")
+
+    # ---- the hook: one parameter's gradient has been accumulated --------------------------------
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        slot = self.slots[index]
+        if (self._dynamic_find() or self._static_first()) and param.grad is not None:
+            slot.used = True  # also during no_sync: used in any micro-batch counts (torch's local_used_map)
+        if not self.expect_hooks:
+            self._accumulate_locally(slot)
+            return
+        if not self._started:
+            self._start_backward()
+        elif not self._end_check_queued and not self._finalize_queued and not self._static_first():
+            self._queue_end_check()  # a nested (reentrant) backward ended earlier: watch the outer one
+        slot.fires += 1
+        if self._static_first():
+            return  # the first iteration of a static graph only counts; _delay_all_reduce reduces
+        if self.static_graph:
+            if slot.fires > slot.expected_fires:
+                raise RuntimeError(_graph_changed(slot))
+            if slot.fires < slot.expected_fires:
+                return  # reentrant checkpointing: the gradient is complete after the last expected hook
+        elif slot.fires > 1:
+            raise RuntimeError(
+                f"fastpar DDP: parameter {slot.name} received a gradient twice in one synchronised backward (a "
+                "second backward over the same forward, or a parameter reused across reentrant checkpoints); "
+                "run one backward per forward, wrap the extra backward in model.no_sync(), or pass "
+                "static_graph=True when the graph is the same every step"
+            )
+        elif slot.ready:  # marked unused from the graph, yet a gradient came: a reentrant checkpoint's parameter
+            self._unmark_unused(slot)
+        self._mark_ready(slot, arrived=True)
+
+    def _accumulate_locally(self, slot: ParamSlot) -> None:
+        """no_sync: keep accumulating in the bucket view (torch's view semantics leave a fresh gradient alone)."""
+        grad = slot.param.grad
+        if slot.grad_view is not None and grad is not None and grad is not slot.grad_view and not self.alias_divides:
+            with torch.no_grad():
+                slot.grad_view.copy_(grad)
+            slot.param.grad = slot.grad_view
+
+    def _mark_ready(self, slot: ParamSlot, arrived: bool) -> None:
+        slot.ready = True
+        bucket = slot.bucket
+        if arrived:
+            if self._recording_order():
+                self.rebuild_order.append(slot.index)
+            grad = slot.param.grad
+            if (
+                self._arrival_min is not None
+                and slot.numel >= self._arrival_min
+                and grad is not None
+                and grad is not slot.grad_view
+            ):
+                gradient_path.stage(bucket, [slot], self._bucket_scale())
+                slot.staged = True
+        bucket.pending -= 1
+        if bucket.pending == 0 and bucket.index == self._next:
+            self._launch_ready(queue_finalize=True)
+
+    def _unmark_unused(self, slot: ParamSlot) -> None:
+        if slot.bucket.launched:
+            raise RuntimeError(
+                f"fastpar DDP: parameter {slot.name} was not reachable from the forward's outputs, so it was "
+                "reduced as unused, but then received a gradient (reentrant activation checkpointing with "
+                "find_unused_parameters=True). Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), "
+                "or static_graph=True instead of find_unused_parameters=True"
+            )
+        slot.ready = False
+        slot.bucket.pending += 1
+
+    # ---- launching buckets, in order -------------------------------------------------------------
+    def _bucket_scale(self) -> float:
+        return 1.0 if self.comm_hook is not None else self._scale  # torch's hooks divide themselves
+
+    def _launch_ready(self, queue_finalize: bool) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        if self._next == len(self.buckets) and not self._finalize_queued:
+            self._finalize_queued = True
+            if self._dynamic_find():
+                self._launch_used_map()  # after the buckets, in the same order on every rank
+            if queue_finalize:
+                _queue_callback(self._finalize)
+
+    def _launch(self, bucket) -> None:
+        rest = [s for s in bucket.slots if not s.staged]
+        keep_stale: frozenset[int] = frozenset()
+        if not self.alias_divides and (self.find_unused or self.static_graph):
+            keep_stale = frozenset(s.index for s in rest if s.param.grad is s.grad_view and self._locally_unused(s))
+        hooked = self.comm_hook is not None
+        gradient_path.stage(
+            bucket,
+            rest,
+            self._bucket_scale(),
+            alias_divisor=self._divisor if self.alias_divides and not hooked else None,
+            keep_stale=keep_stale,
+        )
+        self._bytes += bucket.nbytes
+        if hooked:
+            hook, state = self.comm_hook
+            bucket.work = hook(state, GradBucket(bucket, bucket.comm_flat, bucket.index == len(self.buckets) - 1))
+        else:
+            bucket.work = dist.all_reduce(bucket.comm_flat, group=self.group, async_op=True)
+        bucket.launched = True
+
+    def _launch_used_map(self) -> None:
+        used = self._get_local_used_map()
+        self._used_work = (used, dist.all_reduce(used, group=self.group, async_op=True))
+
+    # ---- the start and the end of a reducing backward ---------------------------------------------
+    def _start_backward(self) -> None:
+        self._started = True
+        self.num_backwards += 1
+        if self._join is not None:
+            work, divide_by_initial = self._join
+            self._join = None
+            if not divide_by_initial:  # average over the ranks that have not joined yet
+                work.wait()
+                self._divisor = int(work.result()[0].item())
+                self._scale = 1.0 / self._divisor
+        if self._static_first():
+            return
+        if self.static_graph:  # unused since the first iteration: ready at once (torch's semantics)
+            for slot in self.slots:
+                if slot.expected_fires == 0 and not slot.ready:
+                    self._mark_ready(slot, arrived=False)
+        if self._dynamic_find() and not self._searched:
+            self._search_unused(None)  # no output hook fired (no outputs given): search from here
+        self._queue_end_check()
+
+    def _search_unused(self, _grad) -> None:
+        """Parameters the running backward will not reach are ready now, so no bucket waits for them."""
+        if self._searched or not self.expect_hooks:
+            return
+        self._searched = True
+        if not self._started:
+            self._start_backward()
+        will_run = torch._C._will_engine_execute_node
+        for slot in self.slots:
+            if not slot.ready and slot.fires == 0 and not will_run(slot.acc):
+                self._mark_ready(slot, arrived=False)
+
+    def _queue_end_check(self) -> None:
+        self._end_check_queued = True
+        _queue_callback(self._end_of_graph_task)
+
+    def _end_of_graph_task(self) -> None:
+        """Runs when the graph task that queued it ends. If the reduction is not complete then, gradients are
+        missing -- unless this was a reentrant (nested) backward and the outer one goes on."""
+        self._end_check_queued = False
+        if not self._started or self._finalize_queued:
+            return
+        if _current_node() is not None:
+            return  # a nested backward inside a checkpointed block: the next hook re-arms this check
+        missing = [s for s in self.slots if not s.ready]
+        if self.static_graph:
+            self._abort_backward()
+            raise RuntimeError(_graph_changed(missing[0]))
+        if not self.find_unused:
+            self._abort_backward()
+            raise UnusedParametersError([s.name for s in missing], len(self.slots))
+        for slot in missing:
+            self._mark_ready(slot, arrived=False)  # queues _finalize after this callback
 
     def _finalize(self) -> None:
-        """End of a synchronised backward (queued autograd callback)."""
+        """End of a reducing backward: wait for and finish every bucket, then record and learn."""
         try:
             self.step += 1
-            unused_local: dict[int, list[int]] = {}
-            if self._next < len(self.buckets):
-                missing = [i for i in range(len(self.params)) if not self._ready[i]]
-                if not self.tolerate_unused:
-                    self._drain()
-                    raise UnusedParametersError([self.names[i] for i in missing], len(self.params))
-                for i in missing:
-                    b = self._bucket_of[i]
-                    unused_local.setdefault(b, []).append(self.buckets[b].members.index(i))
-                    self._pending[b] = 0
-                self._launch_in_order(unused_local)
-            used_work = used = None
-            if self.tolerate_unused:  # after the buckets, in the same order on every rank
-                used = torch.frombuffer(bytearray(self._used), dtype=torch.uint8).to(self.device, torch.int32)
-                used_work = dist.all_reduce(used, group=self.group, async_op=True)
-            wait_s = 0.0
-            if used is None:
-                # bucket by bucket: unpacking bucket k overlaps the all-reduce of the buckets after it
-                for bucket, work in zip(self.buckets, self._works, strict=True):
-                    start = time.perf_counter()
-                    result = self._wait(bucket, work)
-                    wait_s += time.perf_counter() - start
-                    _finish(bucket, result, set())
-            else:  # which parameters no rank used decides what .grad becomes: wait for everything first
-                start = time.perf_counter()
-                results = [self._wait(b, w) for b, w in zip(self.buckets, self._works, strict=True)]
-                used_work.wait()
-                wait_s = time.perf_counter() - start
-                globally_unused = set(torch.nonzero(used == 0).flatten().tolist())
-                for bucket, result in zip(self.buckets, results, strict=True):
-                    _finish(bucket, result, {k for k, i in enumerate(bucket.members) if i in globally_unused})
-            self.last_stats = {
-                "step": self.step,
-                "bytes": self._bytes + (used.numel() * 4 if used is not None else 0),
-                "collectives": len(self.buckets) + (used is not None),
-                "wait_s": wait_s,
-                "buckets": len(self.buckets),
-            }
-            if self._arrival is not None:
-                self._rebuild_due = True
-        finally:
-            self._sync = False
-            self._reset()
+            self.timer.start()
+            for bucket in self.buckets:
+                result = self.waiter.wait(self.step, bucket.index, bucket.names, bucket.work)
+                unused = self._unused_in(bucket)
+                gradient_path.finish(bucket, result, unused)
+            self.timer.stop()
+            self._record_stats()
+            if self.static_graph and self.rebuild_order and not self.has_rebuilt:  # torch appends the unused
+                self.rebuild_order += sorted(s.index for s in self.slots if s.expected_fires == 0)
+        except BaseException:
+            self._abort_backward()
+            raise
+        self._end_backward()
 
-    def _drain(self) -> None:
-        """Wait for the buckets already launched, so a raised error leaves no collective in flight."""
-        for bucket, work in zip(self.buckets, self._works, strict=True):
-            if work is not None:
-                self._wait(bucket, work)
+    def _unused_in(self, bucket) -> frozenset[int]:
+        """Slots of ``bucket`` no rank used (their .grad stays untouched). Waits for the used-map all-reduce
+        only when this rank did not use one of them (torch's lazy wait)."""
+        if not (self.find_unused or self.static_graph):
+            return frozenset()
+        if self.static_graph and self._globally_unused is None and self._used_work is None:
+            return self._static_unused  # learned in the first iteration
+        if all(not self._locally_unused(s) for s in bucket.slots):
+            return frozenset()
+        if self._globally_unused is None:
+            used, work = self._used_work
+            work.wait()  # CPU-GPU sync point on CUDA, only when a parameter was unused here
+            self._globally_unused = frozenset(torch.nonzero(used == 0).flatten().tolist())
+            if self.static_graph:
+                self._static_unused = self._globally_unused
+        return self._globally_unused
 
-    # ---- join: shadow the collectives of a backward on a rank that ran out of data -------------
-    def shadow_backward(self, used_map: bool | None = None) -> None:
-        """Issue the collectives of a synchronised backward with zero gradients (this rank joined)."""
-        works = [self._start_collective(b, torch.zeros_like(b.comm_flat)) for b in self.buckets]
-        for work in works:
-            work.wait()
-        if self.tolerate_unused if used_map is None else used_map:
-            self.shadow_used_map()
+    def _locally_unused(self, slot: ParamSlot) -> bool:
+        if self.static_graph and self._static_learned and self._used_work is None:
+            return slot.expected_fires == 0
+        return not slot.used
 
-    def shadow_used_map(self) -> None:
-        zeros = torch.zeros(len(self.params), dtype=torch.int32, device=self.device)
-        dist.all_reduce(zeros, group=self.group)
+    def _record_stats(self) -> None:
+        used_bytes = self._used_work[0].numel() * 4 if self._used_work is not None else 0
+        self.last_stats = {
+            "step": self.step,
+            "bytes": self._bytes + used_bytes,
+            "collectives": len(self.buckets) + (self._used_work is not None),
+            "wait_s": None,  # read lazily from the timer (a CUDA sync on GPU)
+            "buckets": len(self.buckets),
+        }
+
+    def stats(self) -> dict:
+        stats = dict(self.last_stats)
+        stats["wait_s"] = self.timer.seconds() if self.step else 0.0
+        return stats
+
+    def _end_backward(self) -> None:
+        if self._used_work is not None:
+            self._used_work[1].wait()  # never leave a collective in flight
+        if self._dynamic_find() or self._static_learned:
+            for slot in self.slots:
+                slot.used = False
+        for slot in self.slots:
+            slot.reset_step()
+        for bucket in self.buckets:
+            bucket.reset()
+        self.expect_hooks = False
+        self._started = self._finalize_queued = self._end_check_queued = self._searched = False
+        self._next = 0
+        self._scale, self._divisor = 1.0 / self.world_size, self.world_size
+        self._used_work = self._globally_unused = None
+        self._bytes = 0
+        self._remove_outputs_hook()
+
+    def _abort_backward(self) -> None:
+        """An error ends this backward: wait for what was launched, so no collective is left in flight."""
+        for bucket in self.buckets:
+            if bucket.launched and bucket.work is not None:
+                try:
+                    self.waiter.wait(self.step, bucket.index, bucket.names, bucket.work)
+                except Exception:  # the original error is the one to report
+                    pass
+        self._end_backward()
+
+    def _check_health(self) -> None:
+        """At each entry: an error found in the background (NCCL deadline) or a backward that never finished."""
+        self.waiter.raise_if_failed()
+        if self._started and not self._finalize_queued and _graph_task_id() == -1:
+            missing = [s.name for s in self.slots if not s.ready]
+            self._abort_backward()
+            raise UnusedParametersError(missing, len(self.slots))
+
+    # ---- modes ---------------------------------------------------------------------------------
+    def _dynamic_find(self) -> bool:
+        return self.find_unused and not self.static_graph
+
+    def _static_first(self) -> bool:
+        return self.static_graph and not self._static_learned
+
+    def _should_rebuild(self) -> bool:
+        return (self.static_graph or not self.find_unused) and not self.has_rebuilt
+
+    def _recording_order(self) -> bool:
+        return self._should_rebuild() and not self._static_first()
+
+    def _remove_outputs_hook(self) -> None:
+        if self._outputs_hook is not None:
+            self._outputs_hook.remove()
+            self._outputs_hook = None
+
+    def __del__(self) -> None:
+        if hasattr(self, "_handles"):
+            self._remove_autograd_hooks()
+        if hasattr(self, "waiter"):
+            self.waiter.close()
 
 
-def _finish(bucket: Bucket, result: torch.Tensor | None, globally_unused: set[int]) -> None:
-    """Bring a reduced bucket (a comm hook's ``result`` if any) back into ``.grad``."""
-    if result is not None and result.data_ptr() != bucket.comm_flat.data_ptr():
-        bucket.comm_flat.copy_(result.view(-1))
-    _moves.finish_bucket(bucket, globally_unused)
+def _hook(method: weakref.WeakMethod, index, *args) -> None:
+    bound = method()
+    if bound is not None:
+        if index is None:
+            bound(*args)
+        else:
+            bound(index, *args)
 
 
-def _forward_hook(on_grad: weakref.WeakMethod, i: int, param: torch.Tensor) -> None:
-    method = on_grad()
-    if method is not None:
-        method(i, param)
-
-
-def _timedelta(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
+def _graph_changed(slot: ParamSlot) -> str:
+    return (
+        f"fastpar DDP: with static_graph=True, parameter {slot.name} received {slot.fires} gradient(s) in this "
+        f"backward but {slot.expected_fires} in the first iteration. The training graph changed (a parameter used "
+        "in some steps only, or a different number of checkpointed recomputations); static_graph needs the same "
+        "graph every step: pass find_unused_parameters=True instead of static_graph=True"
+    )
