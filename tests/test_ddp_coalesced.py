@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fastpar._spawn import spawn
+from fastpar.ddp.buckets import assign_buckets
 from fastpar.ddp.coalesced import plan_coalesced_buckets
 
 
@@ -31,14 +32,13 @@ def test_all_reduce_coalesced_matches_per_tensor(cap_mb):
     assert spawn(_coalesced_rank, 2, cap_mb, timeout=120) == [True, True]
 
 
-def test_plan_keeps_one_dtype_per_bucket_and_respects_cap():
+def test_plan_is_ddps_rule_one_dtype_per_bucket():
     ts = [torch.zeros(1000), torch.zeros(1000, dtype=torch.bfloat16), torch.zeros(1000), torch.zeros(300000)]
-    buckets = plan_coalesced_buckets(ts, bucket_cap_mb=0.01)  # 10 KiB: two fp32 1000-element tensors fit
-    for b in buckets:
-        assert len({ts[i].dtype for i in b}) == 1
-    assert sorted(i for b in buckets for i in b) == [0, 1, 2, 3]
-    assert [3] in buckets  # larger than the cap: alone
-    assert [0, 2] in buckets
+    ts.append(torch.zeros(1000))
+    buckets = plan_coalesced_buckets(ts, bucket_cap_mb=0.01)  # 10 KiB
+    # DDP's (torch's) rule: a bucket closes once it reaches the cap; buckets ordered by their first member
+    assert buckets == [[0, 2, 3], [1], [4]]
+    assert buckets == assign_buckets(ts, range(len(ts)), [int(0.01 * 1024 * 1024)])
 
 
 def test_plan_rejects_nonpositive_cap():

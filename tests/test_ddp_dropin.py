@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import copy
 import inspect
+import io
+import pickle
+import re
+import sys
 
 import pytest
 import torch
@@ -45,8 +49,8 @@ def test_isinstance_attributes_and_forward(group):
     assert out.shape == (5, 2)
     out.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
-    assert not hasattr(model, "reducer")
-    assert model._get_ddp_logging_data()["world_size"] == 1
+    data = model._get_ddp_logging_data()
+    assert data["world_size"] == 1 and data["module_name"] == "Sequential" and data["iteration"] == 1
 
 
 def test_state_dict_keeps_module_prefix_and_loads(group):
@@ -59,9 +63,41 @@ def test_state_dict_keeps_module_prefix_and_loads(group):
     assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values(), strict=True))
 
 
-def test_pickling_is_refused_with_advice(group):
-    with pytest.raises(TypeError, match="state_dict"):
-        copy.deepcopy(fastpar.DDP(_model()))
+def test_pickle_deepcopy_and_save_rebuild_the_reducer(group):
+    model = fastpar.DDP(_model())
+    model(torch.randn(3, 4)).sum().backward()
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert isinstance(clone, fastpar.DDP) and clone.reducer is not model.reducer
+        assert all(
+            torch.equal(a, b) for a, b in zip(clone.state_dict().values(), model.state_dict().values(), strict=True)
+        )
+        clone(torch.randn(3, 4)).sum().backward()
+        assert clone.comm_stats()["step"] == 1 and model.comm_stats()["step"] == 1  # hooks on the clone's params
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    loaded(torch.randn(3, 4)).sum().backward()
+    assert loaded.comm_stats()["step"] == 1
+
+
+def _calls(pattern: str) -> set[str]:
+    source = inspect.getsource(sys.modules[torch.nn.parallel.DistributedDataParallel.__module__])
+    return set(re.findall(pattern, source))
+
+
+def test_everything_torchs_ddp_calls_on_its_reducer_and_logger_exists(group):
+    """torch's DDP methods drive fastpar's reducer and logger: each method the installed torch calls on them
+    must exist (frameworks call the same ones: prepare_for_backward, _rebuild_buckets, _delay_all_reduce)."""
+    model = fastpar.DDP(_model())
+    reducer_calls = _calls(r"\breducer\.([A-Za-z_]+)") | {"prepare_for_backward", "_rebuild_buckets"}
+    logger_calls = _calls(r"(?:self|ddp)\.logger\.([A-Za-z_]+)")
+    assert reducer_calls and logger_calls
+    assert sorted(m for m in reducer_calls if not callable(getattr(model.reducer, m, None))) == []
+    assert sorted(m for m in logger_calls if not callable(getattr(model.logger, m, None))) == []
+    # the methods torch's DDP would route through its C++ reducer are ours
+    for name in ("_ddp_init_helper", "register_comm_hook", "_register_builtin_comm_hook"):
+        assert getattr(type(model), name) is not getattr(torch.nn.parallel.DistributedDataParallel, name), name
 
 
 def test_comm_hook_registered_once(group):
@@ -72,7 +108,7 @@ def test_comm_hook_registered_once(group):
     with pytest.raises(RuntimeError, match="only be called once"):
         model.register_comm_hook(None, default_hooks.allreduce_hook)
     model(torch.randn(3, 4)).sum().backward()
-    assert model.comm_stats()["collectives"] == len(model._reducer.buckets)
+    assert model.comm_stats()["collectives"] == len(model.reducer.buckets)
 
 
 def test_no_sync_accumulates_into_bucket_views_without_communication(group):
@@ -84,7 +120,7 @@ def test_no_sync_accumulates_into_bucket_views_without_communication(group):
     first = [p.grad.clone() for p in model.parameters()]
     model(x).sum().backward()
     assert model.comm_stats()["step"] == 1
-    views = {id(v) for b in model._reducer.buckets for v in b.views}
+    views = {id(s.grad_view) for b in model.reducer.buckets for s in b.slots}
     assert all(id(p.grad) in views for p in model.parameters())
     assert all(torch.allclose(p.grad, 2 * g) for p, g in zip(model.parameters(), first, strict=True))
 

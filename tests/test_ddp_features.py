@@ -30,7 +30,7 @@ def _features_rank(rank: int, world_size: int) -> dict:
             model = cls(m, **kw)
             model.register_comm_hook(None, hook)
             if cls is fastpar.DDP and hook is default_hooks.allreduce_hook:
-                model._reducer.set_copy_on_arrival(0)  # hooks see unscaled gradients on this path too
+                model.reducer.set_copy_on_arrival(0)  # hooks see unscaled gradients on this path too
             return model
 
         return wrap
@@ -45,7 +45,7 @@ def _features_rank(rank: int, world_size: int) -> dict:
 
         def copy_on_arrival(m, dtype=dtype):
             model = fastpar.DDP(m, grad_dtype=dtype)
-            model._reducer.set_copy_on_arrival(0)  # the CPU path for large gradients
+            model.reducer.set_copy_on_arrival(0)  # the CPU path for large gradients
             return model
 
         got = train(copy_on_arrival, "mlp", rank, steps=8)
@@ -57,7 +57,7 @@ def _features_rank(rank: int, world_size: int) -> dict:
 
         def bucket_pack(m, dtype=dtype):
             model = fastpar.DDP(m, grad_dtype=dtype)
-            model._reducer.set_copy_on_arrival(None)  # the GPU path: one pack per complete bucket
+            model.reducer.set_copy_on_arrival(None)  # the GPU path: one pack per complete bucket
             return model
 
         out[f"grad_dtype/{dtype}/bucket_pack"] = _equal(got, train(bucket_pack, "mlp", rank, steps=8))
@@ -73,23 +73,23 @@ def _features_rank(rank: int, world_size: int) -> dict:
     for _ in range(3):
         model.zero_grad(set_to_none=True)
         model(make_input("mlp", gen)).sum().backward()
-    flats = {b.grad_flat.untyped_storage().data_ptr() for b in model._reducer.buckets}
+    flats = {b.grad_flat.untyped_storage().data_ptr() for b in model.reducer.buckets}
     out["views"] = all(p.grad.untyped_storage().data_ptr() in flats for p in model.parameters())
     out["stats"] = model.comm_stats()
     out["rebuilt"] = model._has_rebuilt_buckets
     tiny = fastpar.DDP(MLP(), bucket_cap_mb=1e-6)
-    out["n_buckets_first"] = len(tiny._reducer.buckets)  # torch's first layout: one bucket until the rebuild
+    out["n_buckets_first"] = len(tiny.reducer.buckets)  # torch's first layout: one bucket until the rebuild
     for _ in range(2):  # the second forward rebuilds in the order gradients arrived
         tiny(make_input("mlp", gen)).sum().backward()
-    out["n_buckets_bucket_cap"] = len(tiny._reducer.buckets)
+    out["n_buckets_bucket_cap"] = len(tiny.reducer.buckets)
 
     # mixed dtypes: one dtype per bucket, bf16 grads reduced in bf16
     torch.manual_seed(0)
     mixed = MLP()
     mixed.net[2].to(torch.bfloat16)
     model = fastpar.DDP(mixed)
-    out["bucket_dtypes"] = sorted({str(p.dtype) for b in model._reducer.buckets for p in b.params})
-    out["one_dtype_per_bucket"] = all(len({p.dtype for p in b.params}) == 1 for b in model._reducer.buckets)
+    out["bucket_dtypes"] = sorted({str(p.dtype) for b in model.reducer.buckets for p in b.params})
+    out["one_dtype_per_bucket"] = all(len({p.dtype for p in b.params}) == 1 for b in model.reducer.buckets)
     return out
 
 

@@ -89,10 +89,10 @@ def _matrix_rank(rank: int, world_size: int, variants: tuple[str, ...], names: t
         for variant in variants:
             ref_key = "torch_views" if variant == "torch_views" else "default"
             if ref_key not in references:
-                references[ref_key] = train(lambda m, v=variant: _torch(m, ddp_args, v), kind, rank, **train_args)
+                references[ref_key] = train(lambda m, v=variant, a=ddp_args: _torch(m, a, v), kind, rank, **train_args)
             ref = references[ref_key]
             try:
-                got = train(lambda m, v=variant: _fastpar(m, ddp_args, v), kind, rank, **train_args)
+                got = train(lambda m, v=variant, a=ddp_args: _fastpar(m, a, v), kind, rank, **train_args)
             except Exception as exc:  # report per case, keep the ranks in step
                 outcome[f"{name}/{variant}"] = {"error": f"{type(exc).__name__}: {exc}"}
                 continue

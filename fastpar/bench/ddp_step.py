@@ -8,6 +8,7 @@ LayerNorm(256) + GELU) on (64, 256). Variants, interleaved in rounds on the same
   ddp               torch DistributedDataParallel with its defaults: the peer
   ddp_bucket_view   gradient_as_bucket_view=True
   ddp_batched_copy  batched_grad_copy=True (only when the installed torch has it)
+  ddp_fastpar_cap   torch DDP with bucket_cap_mb set to the cap fastpar chooses for this model
   ddp_fp16_hook     torch DDP + fp16_compress_hook
   fastpar_fp32      fastpar.DistributedDataParallel
   fastpar_bf16      fastpar.DistributedDataParallel(grad_dtype=torch.bfloat16)
@@ -34,7 +35,16 @@ DESCRIPTION = "DDP step time: fastpar vs torch DDP variants vs a no-communicatio
 USES = {"nproc"}
 DEFAULTS = {"iters": 2, "warmup": 1, "rounds": 5}
 MODELS = {"mlp": (1024, 16), "blocks": (256, 96)}  # name -> (width, depth)
-VARIANTS = ("no_comm", "ddp", "ddp_bucket_view", "ddp_batched_copy", "ddp_fp16_hook", "fastpar_fp32", "fastpar_bf16")
+VARIANTS = (
+    "no_comm",
+    "ddp",
+    "ddp_bucket_view",
+    "ddp_batched_copy",
+    "ddp_fastpar_cap",
+    "ddp_fp16_hook",
+    "fastpar_fp32",
+    "fastpar_bf16",
+)
 LOW_PRECISION = ("ddp_fp16_hook", "fastpar_bf16")
 GOALS = (("fastpar_fp32", "ddp", 0.92), ("fastpar_bf16", "ddp_fp16_hook", 0.85))  # issue 3
 
@@ -80,6 +90,8 @@ def wrap(variant: str, model: nn.Module) -> nn.Module:
         return TorchDDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
     if variant == "ddp_batched_copy":
         return TorchDDP(model, device_ids=device_ids, batched_grad_copy=True)
+    if variant == "ddp_fastpar_cap":
+        return TorchDDP(model, device_ids=device_ids, bucket_cap_mb=fastpar_cap_mb(model))
     if variant == "ddp_fp16_hook":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
@@ -93,6 +105,16 @@ def wrap(variant: str, model: nn.Module) -> nn.Module:
     if variant == "fastpar_bf16":
         return FastparDDP(model, device_ids=device_ids, grad_dtype=torch.bfloat16)
     raise ValueError(f"unknown variant {variant!r}")
+
+
+def fastpar_cap_mb(model: nn.Module) -> float:
+    """The bucket cap (MB) fastpar's DDP picks for ``model`` on this process group when given none."""
+    import torch.distributed as dist
+
+    from ..ddp.buckets import default_caps
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    return default_caps(params, dist.get_world_size())[-1] / 2**20
 
 
 class Trainee:
@@ -122,8 +144,10 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
     device = launch.rank_device(args.backend)
     plan = Plan(args.warmup, args.rounds, args.iters)
     results: dict[str, dict[str, float]] = {}
+    args.fastpar_caps = {}
     for model_name in args.model_list:
         width = MODELS[model_name][0]
+        args.fastpar_caps[model_name] = fastpar_cap_mb(build_model(model_name))
         trainees = {v: Trainee(v, model_name, device, args.lr) for v in args.variant_list}
         check_batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(1)).to(device)
         for trainee in trainees.values():
@@ -181,6 +205,7 @@ def _report(args, world_size: int, results: dict[str, dict[str, float]]) -> Benc
             "world size": str(world_size),
             "threads per rank": str(args.threads),
             "batch": str(args.batch),
+            "ddp_fastpar_cap": ", ".join(f"{m} bucket_cap_mb={c:g}" for m, c in args.fastpar_caps.items()),
             "timing": f"median of {args.rounds} interleaved rounds x {args.iters} steps after {args.warmup} warm-up",
         },
         footer=footer,

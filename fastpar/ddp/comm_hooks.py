@@ -7,7 +7,6 @@ torch's hooks (``default_hooks.allreduce_hook``, ``fp16_compress_hook``, PowerSG
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 
 from .buckets import Bucket
 
-__all__ = ["GradBucket", "check_comm_hook", "hook_result", "builtin_hook"]
+__all__ = ["GradBucket", "hook_result", "builtin_hook"]
 
 
 class GradBucket:
@@ -51,21 +50,6 @@ class GradBucket:
 
     def parameters(self) -> list[torch.Tensor]:
         return list(self._bucket.params)
-
-
-def check_comm_hook(hook: Callable) -> None:
-    """Refuse what torch refuses: a non-callable, or annotations that are not torch's hook signature."""
-    if not callable(hook):
-        raise TypeError(f"Communication hook must be callable, got {type(hook).__name__}")
-    params = list(inspect.signature(hook).parameters.values())
-    if len(params) != 2:
-        raise ValueError(
-            f"Communication hook {getattr(hook, '__qualname__', hook)} must take (state, bucket), "
-            f"got {len(params)} parameters"
-        )
-    annotation = params[1].annotation
-    if annotation not in (inspect.Parameter.empty, dist.GradBucket, "dist.GradBucket", "GradBucket"):
-        raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
 
 
 def hook_result(value) -> torch.Tensor:

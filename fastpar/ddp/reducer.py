@@ -97,10 +97,12 @@ class Reducer:
         self._arrival_min = min_numel if self.grad_views else None
 
     # ---- what torch's DDP and frameworks call (torch's Reducer interface) ----------------------
+    @torch._disable_dynamo  # called from DDP.forward: opaque to torch.compile, as torch's C++ reducer
     def prepare_for_forward(self) -> None:
         self._check_health()
         self.num_iterations += 1
 
+    @torch._disable_dynamo  # called from DDP.forward: opaque to torch.compile, as torch's C++ reducer
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
         """The coming backward reduces gradients. ``outputs``: the forward's tensors, searched for unused
         parameters when ``find_unused_parameters`` is set (torch passes them; ``[]`` otherwise)."""
@@ -117,6 +119,7 @@ class Reducer:
                     tensors, functools.partial(_hook, search, None), mode="any"
                 )
 
+    @torch._disable_dynamo  # called from DDP.forward: opaque to torch.compile, as torch's C++ reducer
     def _rebuild_buckets(self) -> bool:
         """Once, before the forward after the first reducing backward: re-bucket in the order gradients
         arrived on rank 0 (broadcast, so every rank agrees). True when it rebuilt."""
@@ -162,6 +165,7 @@ class Reducer:
         self._launch_ready(queue_finalize=False)
         self._finalize()
 
+    @torch._disable_dynamo  # called from DDP.forward: opaque to torch.compile, as torch's C++ reducer
     def _set_forward_pass_work_handle(self, work, divide_by_initial_world_size: bool) -> None:
         self._join = (work, divide_by_initial_world_size)
 
@@ -217,6 +221,9 @@ class Reducer:
         raise NotImplementedError("fastpar DDP does not support torch's mixed_precision config; use grad_dtype")
 
     def _set_optimizer_in_backward(self) -> None:
+        raise NotImplementedError("fastpar DDP does not support optimizers in backward; call optimizer.step()")
+
+    def _install_post_backward_futures(self, futures) -> None:
         raise NotImplementedError("fastpar DDP does not support optimizers in backward; call optimizer.step()")
 
     def _set_sparse_metadata(self, global_unique_ids) -> None:
