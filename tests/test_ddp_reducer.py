@@ -293,3 +293,50 @@ def test_static_graph_that_changes_is_named():
 
 def test_rank_error_type_is_exported():
     assert issubclass(RankError, RuntimeError)
+
+
+class _SharedInTwoCheckpoints(torch.nn.Module):
+    """One layer recomputed by two reentrant checkpoints: its hook fires twice per backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre = torch.nn.Linear(16, 16)
+        self.shared = torch.nn.Linear(16, 16)
+        self.out = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.shared, self.pre(x), use_reentrant=True)
+        h = checkpoint(self.shared, torch.tanh(h), use_reentrant=True)
+        return self.out(h)
+
+
+def _twice_rank(rank: int, world_size: int) -> dict:
+    import fastpar
+
+    out = {}
+    x = torch.randn(4, 16, requires_grad=True, generator=torch.Generator().manual_seed(rank))
+    try:
+        fastpar.DDP(_SharedInTwoCheckpoints())(x).sum().backward()
+        out["dynamic"] = "no error"
+    except RuntimeError as exc:
+        out["dynamic"] = str(exc)
+    results = []
+    for cls in (torch.nn.parallel.DistributedDataParallel, fastpar.DDP):
+        torch.manual_seed(0)
+        model = cls(_SharedInTwoCheckpoints(), static_graph=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(4):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        results.append({k: v.clone() for k, v in model.module.state_dict().items()})
+    out["static"] = _equal(*results)
+    return out
+
+
+def test_gradient_twice_in_one_backward_is_named_and_static_graph_counts_it():
+    for out in spawn(_twice_rank, 2, timeout=120):
+        assert "received a gradient twice" in out["dynamic"] and "shared." in out["dynamic"] and "static_graph=True" in out["dynamic"]
+        assert out["static"] == []  # static_graph learns the hook fires twice, as torch's reducer does
