@@ -1,6 +1,5 @@
 """The reducer as frameworks drive it (``model.reducer``), and what it does beyond parity: unused parameters
-found from the graph before backward reaches them, no used-map all-reduce with a static graph, torch's
-delayed all-reduce, and the NCCL-style completion watch run on gloo through the same code."""
+found from the graph before backward reaches them, no used-map all-reduce with a static graph, and the NCCL-style completion watch run on gloo through the same code."""
 
 from __future__ import annotations
 
@@ -123,29 +122,6 @@ def test_unused_parameters_are_ready_before_backward_reaches_them():
         # static graph: the used map is all-reduced in the first iteration only
         assert out["static_extra_collectives"] == [1, 0, 0]
         assert out["b_grad"]  # never used: .grad stays None
-
-
-def _delayed_params_rank(rank: int, world_size: int) -> list[str]:
-    """torch's ``delay_all_reduce_named_params``: those parameters are reduced by torch's own hook."""
-    from test_ddp_models import MLP, train
-
-    import fastpar
-
-    def wrap(cls):
-        def make(module):
-            named = [(n, p) for n, p in module.named_parameters() if n.startswith("net.4")]
-            return cls(module, delay_all_reduce_named_params=named, param_to_hook_all_reduce=module.net[0].weight)
-
-        return make
-
-    assert MLP  # the model train() builds
-    return _equal(
-        train(wrap(torch.nn.parallel.DistributedDataParallel), "mlp", rank), train(wrap(fastpar.DDP), "mlp", rank)
-    )
-
-
-def test_delay_all_reduce_named_params_matches_torch():
-    assert spawn(_delayed_params_rank, 2, timeout=120) == [[], []]
 
 
 # ---- the completion watch (the NCCL path), on gloo ---------------------------------------------------

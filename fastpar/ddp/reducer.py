@@ -79,6 +79,8 @@ class Reducer:
         self._join: tuple | None = None  # (work, divide_by_initial_world_size) from Join
         self._runtime_sample_rate = 100
         self.logger = None
+        self.graph_static = True  # the set of unused parameters has not changed between iterations
+        self._last_unused: frozenset[int] | None = None
         self.step = 0
         self.last_stats = {"step": 0, "bytes": 0, "collectives": 0, "wait_s": 0.0, "buckets": len(self.buckets)}
         # per backward
@@ -141,10 +143,12 @@ class Reducer:
         self.rebuild_order = list(range(len(self.slots)))
 
     def _set_static_graph(self) -> None:
-        if self.num_backwards:
-            raise RuntimeError(
-                "fastpar DDP: _set_static_graph() must be called before the first backward; pass "
-                "static_graph=True to DistributedDataParallel instead"
+        if self.num_iterations or self.num_backwards:
+            self._fail(
+                RuntimeError(
+                    "fastpar DDP: set_static_graph() should be called before training loop starts and after "
+                    "DistributedDataParallel is constructed; pass static_graph=True to DistributedDataParallel"
+                )
             )
         self.static_graph = True
 
@@ -246,15 +250,18 @@ class Reducer:
             return  # the first iteration of a static graph only counts; _delay_all_reduce reduces
         if self.static_graph:
             if slot.fires > slot.expected_fires:
-                raise RuntimeError(_graph_changed(slot))
+                self._fail(RuntimeError(_graph_changed(slot)), abort=True)
             if slot.fires < slot.expected_fires:
                 return  # reentrant checkpointing: the gradient is complete after the last expected hook
         elif slot.fires > 1:
-            raise RuntimeError(
-                f"fastpar DDP: parameter {slot.name} received a gradient twice in one synchronised backward (a "
-                "second backward over the same forward, or a parameter reused across reentrant checkpoints); "
-                "run one backward per forward, wrap the extra backward in model.no_sync(), or pass "
-                "static_graph=True when the graph is the same every step"
+            self._fail(
+                RuntimeError(
+                    f"fastpar DDP: parameter {slot.name} received a gradient twice in one synchronised backward (a "
+                    "second backward over the same forward, or a parameter reused across reentrant checkpoints); "
+                    "run one backward per forward, wrap the extra backward in model.no_sync(), or pass "
+                    "static_graph=True when the graph is the same every step"
+                ),
+                abort=True,
             )
         elif slot.ready:  # marked unused from the graph, yet a gradient came: a reentrant checkpoint's parameter
             self._unmark_unused(slot)
@@ -289,11 +296,14 @@ class Reducer:
 
     def _unmark_unused(self, slot: ParamSlot) -> None:
         if slot.bucket.launched:
-            raise RuntimeError(
-                f"fastpar DDP: parameter {slot.name} was not reachable from the forward's outputs, so it was "
-                "reduced as unused, but then received a gradient (reentrant activation checkpointing with "
-                "find_unused_parameters=True). Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), "
-                "or static_graph=True instead of find_unused_parameters=True"
+            self._fail(
+                RuntimeError(
+                    f"fastpar DDP: parameter {slot.name} was not reachable from the forward's outputs, so it was "
+                    "reduced as unused, but then received a gradient (reentrant activation checkpointing with "
+                    "find_unused_parameters=True). Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), "
+                    "or static_graph=True instead of find_unused_parameters=True"
+                ),
+                abort=True,
             )
         slot.ready = False
         slot.bucket.pending += 1
@@ -385,11 +395,9 @@ class Reducer:
             return  # a nested backward inside a checkpointed block: the next hook re-arms this check
         missing = [s for s in self.slots if not s.ready]
         if self.static_graph:
-            self._abort_backward()
-            raise RuntimeError(_graph_changed(missing[0]))
+            self._fail(RuntimeError(_graph_changed(missing[0])), abort=True)
         if not self.find_unused:
-            self._abort_backward()
-            raise UnusedParametersError([s.name for s in missing], len(self.slots))
+            self._fail(UnusedParametersError([s.name for s in missing], len(self.slots)), abort=True)
         for slot in missing:
             self._mark_ready(slot, arrived=False)  # queues _finalize after this callback
 
@@ -451,6 +459,10 @@ class Reducer:
     def _end_backward(self) -> None:
         if self._used_work is not None:
             self._used_work[1].wait()  # never leave a collective in flight
+        if self._dynamic_find() and self._started:
+            unused = frozenset(s.index for s in self.slots if not s.used)
+            self.graph_static &= self._last_unused is None or unused == self._last_unused
+            self._last_unused = unused
         if self._dynamic_find() or self._static_learned:
             for slot in self.slots:
                 slot.used = False
@@ -481,8 +493,16 @@ class Reducer:
         self.waiter.raise_if_failed()
         if self._started and not self._finalize_queued and _graph_task_id() == -1:
             missing = [s.name for s in self.slots if not s.ready]
+            self._fail(UnusedParametersError(missing, len(self.slots)), abort=True)
+
+    def _fail(self, error: Exception, abort: bool = False):
+        """Raise ``error``, recorded in the logging data first (torch's REDUCER_CHECK does the same); ``abort``
+        ends the running backward first, so the next step starts clean."""
+        if abort:
             self._abort_backward()
-            raise UnusedParametersError(missing, len(self.slots))
+        if self.logger is not None:
+            self.logger.set_error_and_log(str(error))
+        raise error
 
     # ---- modes ---------------------------------------------------------------------------------
     def _dynamic_find(self) -> bool:

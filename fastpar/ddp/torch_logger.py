@@ -52,6 +52,7 @@ class DDPLogger:
             is_multi_device_module=0,
             static_graph=int(static_graph),
             join_uneven_inputs=0,
+            has_error=0,
         )
 
     def set_runtime_stats_and_log(self) -> None:
@@ -59,6 +60,7 @@ class DDPLogger:
 
     def set_error_and_log(self, message: str) -> None:
         self._strs["error"] = str(message)
+        self._ints["has_error"] = 1
 
     def _set_comm_hook_name(self, name: str) -> None:
         self._strs["comm_hook"] = str(name)
@@ -76,6 +78,7 @@ class DDPLogger:
             iteration=reducer.num_iterations,
             num_buckets_reduced=len(reducer.buckets),
             has_rebuilt_buckets=int(reducer.has_rebuilt),
+            can_set_static_graph=int(reducer.graph_static),
         )
         strs = dict(self._strs)
         strs["bucket_sizes"] = ", ".join(str(b.nbytes) for b in reducer.buckets)
