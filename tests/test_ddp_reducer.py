@@ -1,5 +1,6 @@
 """The reducer as frameworks drive it (``model.reducer``), and what it does beyond parity: unused parameters
-found from the graph before backward reaches them, no used-map all-reduce with a static graph, and the NCCL-style completion watch run on gloo through the same code."""
+found from the graph before backward reaches them, no used-map all-reduce with a static graph, and the
+NCCL-style completion watch run on gloo through the same code."""
 
 from __future__ import annotations
 
