@@ -106,7 +106,11 @@ def suite_results(request, tmp_path_factory) -> dict[str, dict]:
 
 def test_torch_ddp_suite_loads():
     """torch's test module imports (it needs expecttest) and still has the DDP tests this file expects."""
-    assert not _LOAD_ERRORS, f"torch's distributed test module did not load: {_LOAD_ERRORS[0]} (pip install expecttest)"
+    if _LOAD_ERRORS and "ModuleNotFoundError" in _LOAD_ERRORS[0]:  # CI installs them: .ci/run
+        pytest.skip(
+            f"torch's distributed test module needs a package: {_LOAD_ERRORS[0]} (pip install 'fastpar[compat]')"
+        )
+    assert not _LOAD_ERRORS, f"torch's distributed test module did not load: {_LOAD_ERRORS[0]}"
     stale = sorted(set(EXPECTED_TO_FAIL_TODAY) - set(TESTS))
     assert not stale, f"EXPECTED_TO_FAIL_TODAY names tests this torch does not have: {stale}"
     assert sum(reason is None for reason in TESTS.values()) >= 10, "torch's suite runs almost no DDP test here"
