@@ -26,11 +26,7 @@ from fastpar._spawn import RankError, spawn
 
 # Cases that fail with today's fastpar, and why. The DDP reducer rewrite (issue 10) must empty this dict:
 # the xfail marks are strict, so a case that starts passing fails until its entry is removed.
-EXPECTED_TO_FAIL_TODAY = {
-    "accelerate/no_sync_trigger_sync": "model.reducer.prepare_for_backward([]) (accelerate trigger_sync_in_backward)",
-    "lightning/manual": "model.reducer._rebuild_buckets() + prepare_for_backward (Lightning manual_backward)",
-    "lightning/manual_static_graph": "model.reducer... as manual, then model.reducer._delay_all_reduce()",
-}
+EXPECTED_TO_FAIL_TODAY: dict[str, str] = {}
 
 WORLD_SIZE = 2
 STEPS = 8

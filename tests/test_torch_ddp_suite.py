@@ -26,16 +26,6 @@ RUNNER_TIMEOUT_S = 2400
 # torch tests that fail with today's fastpar, by root cause. The DDP reducer rewrite (issue 10) shrinks this
 # dict; the xfail marks are strict, so a test that starts passing fails until its entry is removed.
 EXPECTED_TO_FAIL_TODAY = {
-    "test_DistributedDataParallelCPU": (
-        "pickling: _test_DDP_niter ends with torch.save(model_DDP) + torch.load and compares state_dict(); "
-        "fastpar's __getstate__ raises TypeError"
-    ),
-    "test_DistributedDataParallelCPU_grad_is_view": "pickling: as test_DistributedDataParallelCPU",
-    "test_static_graph_api_cpu": (
-        "static_graph semantics + logging data: _set_static_graph() after a training step must raise "
-        "RuntimeError('... should be called before training loop starts ...') as the C++ Reducer does, and "
-        "_get_ddp_logging_data() must then hold iteration/has_error/error (verify_ddp_error_logged)"
-    ),
     "test_ddp_logging_data_cpu": (
         "logging data: asserts the C++ Logger's fields (runtime stats sampled by "
         "_set_ddp_runtime_logging_sample_rate, rank, dtypes, bucket_sizes, rebuilt bucket indices, env vars, "
