@@ -12,12 +12,14 @@ import os
 
 import torch
 
+from ..user_errors import UserError
+
 # Variables torchrun (torch.distributed.run) sets in every worker it starts.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _MAX_DEFAULT_CPU_PROCESSES = 4
 
 
-class ExecutionEnvironmentError(RuntimeError):
+class ExecutionEnvironmentError(UserError, RuntimeError):
     """The requested execution environment can't be had on this machine; the message says what to change."""
 
 
