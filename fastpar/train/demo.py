@@ -53,6 +53,8 @@ def adamw(params, lr: float) -> torch.optim.Optimizer:
 
 
 def one_cycle(optimizer: torch.optim.Optimizer, total_steps: int, max_lr: float):
+    if total_steps < 8:  # OneCycleLR divides by its warm-up length, zero below 8 steps: keep the LR constant
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _step: 1.0)
     return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=0.25)
 
 

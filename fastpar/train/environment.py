@@ -29,7 +29,7 @@ class Plan:
     nprocs: int  # processes this launcher starts on this machine (0: already running under torchrun)
     backend: str | None  # process-group backend; None for a single process
     device_type: str  # cpu | cuda
-    device_ids: tuple[int, ...] = ()  # CUDA device of each local rank
+    device_ids: tuple[int, ...] = ()  # CUDA device (ordinal in this process, not NVML index) of each local rank
     threads_per_process: int = 1
 
     @property
@@ -81,9 +81,9 @@ def _gpu_ids(kind: str, devices: int | None, available: int) -> tuple[int, ...]:
         )
     if devices == available:
         return tuple(range(available))
-    from ..topology import select_devices  # the best-connected k GPUs (NVLink first)
+    from ..topology.cuda_order import select_cuda_devices  # the best-connected k visible GPUs (NVLink first)
 
-    return tuple(int(i) for i in select_devices(devices))
+    return tuple(select_cuda_devices(devices))
 
 
 def _cluster_plan(threads: int | None) -> Plan:
