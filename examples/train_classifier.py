@@ -61,10 +61,9 @@ def main() -> None:
         make_model, make_optimizer, nn.functional.cross_entropy, make_data(8192, 0), options=options
     )
     result = trainer.fit()
-    if result.model is not None:  # rank 0
-        print(
-            f"validation accuracy {result.last('val_accuracy'):.3f} after {result.steps} steps; plot {result.plot_path}"
-        )
+    if result.model is not None:  # rank 0 (the other ranks of a torchrun job get None)
+        print(f"validation accuracy {result.last('val_accuracy'):.3f} after {result.steps} steps")
+        print(f"progress plot {result.plot_path}, metrics {result.metrics_path}")
 
 
 if __name__ == "__main__":
