@@ -15,7 +15,7 @@ git clone -q "$REPO" "$WORK/clone"
 echo "command: $COMMAND"
 echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
 SECONDS=0
-(cd "$WORK/clone" && PIP_CACHE_DIR="$WORK/pip-cache" PS4='+ [$(date +%T)] ' bash -xc "$COMMAND")
+(cd "$WORK/clone" && PIP_CACHE_DIR="$WORK/pip-cache" bash -c "PS4='+ [\$(date +%T)] '; set -x; $COMMAND")
 took=$SECONDS
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "README set-up + main job: $took s (fresh clone, empty pip cache)"
