@@ -83,13 +83,12 @@ class Run:
         self.output_dir = Path(opts.output_dir)
         if self.is_main:
             self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", self.step if resumed else None)
-            self.bar = (
-                ProgressBar(self.total_steps, opts.max_epochs, start_step=self.step) if opts.progress_bar else None
-            )
+            self.bar = None
+            if opts.progress_bar and self.epoch < opts.max_epochs:  # nothing to train: no bar, no summary
+                self._print_summary()  # before the bar starts redrawing its line
+                self.bar = ProgressBar(self.total_steps, opts.max_epochs, start_step=self.step)
             self.plot_path = self.output_dir / "training-progress.png" if opts.plots == "training-progress" else None
             self._plotted_at = 0.0
-            if self.bar is not None and self.epoch < opts.max_epochs:
-                self._print_summary()
         self._reset_window()
 
     def _agreed_batches_per_epoch(self) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,18 @@ def metrics_text(record: dict[str, Any]) -> str:
     return "  ".join(parts)
 
 
+def _redrawable(stream: TextIO) -> bool:
+    """A terminal with a size: a pseudo-terminal that reports 0 rows (some CI runners, ``script``) would make
+    tqdm print nothing at all."""
+    if not stream.isatty():
+        return False
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (OSError, ValueError):  # no file descriptor (a stand-in stream): trust isatty()
+        return True
+    return size.lines > 0 and size.columns > 0
+
+
 class ProgressBar:
     """Training progress on rank 0, updated at every logged step.
 
@@ -50,7 +63,7 @@ class ProgressBar:
         self.stream = stream or sys.stdout
         self._bar = None
         notebook = _in_notebook() and stream is None
-        if (notebook or self.stream.isatty()) and available("tqdm"):
+        if (notebook or _redrawable(self.stream)) and available("tqdm"):
             if notebook:
                 from tqdm.auto import tqdm  # the notebook widget when ipywidgets is there, else text
             else:
