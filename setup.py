@@ -5,8 +5,10 @@ FASTPAR_CUDA=0|1 overrides the choice; FASTPAR_NO_EXT=1 builds no extension (pur
 Build without isolation so the extension links against the torch you run: `pip install --no-build-isolation .`
 """
 
+import importlib.util
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -26,43 +28,50 @@ class BuildPyWithSources(build_py):
             shutil.copytree(CSRC, target, dirs_exist_ok=True)
 
 
+def _build_config():
+    """fastpar/_build.py, loaded by path: importing the package would need it built already."""
+    spec = importlib.util.spec_from_file_location("_fastpar_build", ROOT / "fastpar" / "_build.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def _extensions():
     if os.environ.get("FASTPAR_NO_EXT") == "1":
         return [], {}
     import torch
     from torch.utils import cpp_extension
 
-    flag = os.environ.get("FASTPAR_CUDA", "")
-    cuda_usable = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
-    if flag not in ("", "0", "1"):
-        raise SystemExit(f"FASTPAR_CUDA must be 0 or 1, got {flag!r}")
-    with_cuda = cuda_usable if flag == "" else flag == "1"
+    build = _build_config()
+    cuda_usable = build.cuda_toolkit_usable(torch)
+    try:
+        with_cuda = build.cuda_wanted(default=cuda_usable)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if with_cuda and not cuda_usable:
         raise SystemExit(
             "FASTPAR_CUDA=1 but no CUDA build is possible: torch.version.cuda="
             f"{torch.version.cuda!r}, CUDA_HOME={cpp_extension.CUDA_HOME!r}. Install a CUDA build of torch "
             "and set CUDA_HOME to the toolkit folder whose include/ holds cuda_runtime_api.h."
         )
-    sources = [str(p.relative_to(ROOT)) for p in sorted(CSRC.glob("*.cpp"))]
-    # -ffp-contract=off: no fused multiply-add, so results match the pure-torch reference bit for bit.
-    # -fopenmp: at::parallel_for is a header-inline `omp parallel` when torch's backend is OpenMP; without the
-    # flag it silently runs on one thread.
-    openmp = ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
-    cxx = ["-O3", "-ffp-contract=off", *openmp]
-    link = openmp
+    cfg = build.config(CSRC, torch, with_cuda)
+    sources = [str(p.relative_to(ROOT)) for p in cfg.sources]
     if with_cuda:
-        sources += [str(p.relative_to(ROOT)) for p in sorted((CSRC / "cuda").glob("*.cu"))]
         ext = cpp_extension.CUDAExtension(
             "fastpar._C",
             sources,
             include_dirs=[str(CSRC)],
-            define_macros=[("FASTPAR_WITH_CUDA", None)],
-            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--fmad=false"]},
-            extra_link_args=link,
+            extra_compile_args={"cxx": cfg.cxx_flags, "nvcc": cfg.nvcc_flags},
+            extra_link_args=cfg.ldflags,
         )
     else:
         ext = cpp_extension.CppExtension(
-            "fastpar._C", sources, include_dirs=[str(CSRC)], extra_compile_args=cxx, extra_link_args=link
+            "fastpar._C",
+            sources,
+            include_dirs=[str(CSRC)],
+            extra_compile_args=cfg.cxx_flags,
+            extra_link_args=cfg.ldflags,
         )
     return [ext], {"build_ext": cpp_extension.BuildExtension}
 

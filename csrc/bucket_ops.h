@@ -1,7 +1,7 @@
 // Device-agnostic description of the bucket ops, shared by the bindings and the CPU/CUDA kernels.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <tuple>
 #include <vector>

@@ -1,6 +1,7 @@
 // CPU kernels: one at::parallel_for over all elements of all tensors, so many tiny tensors cost no more than
 // one large one. Needs -fopenmp when torch's parallel backend is OpenMP, else the loop runs on one thread.
 #include <ATen/Parallel.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 

@@ -3,6 +3,7 @@
 #ifdef FASTPAR_WITH_CUDA
 
 // c10/cuda only: ATen/cuda/CUDAContext.h pulls in cuSPARSE/cuBLAS headers that a minimal toolkit lacks.
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -1,7 +1,12 @@
 // Python bindings of fastpar._C: input validation (same messages as fastpar._torch_ops) and device dispatch.
 // Tensor lists are read straight from the Python sequence, without per-tensor refcount traffic: with thousands
 // of small gradients the per-call overhead is otherwise a visible share of the copy time.
-#include <torch/extension.h>
+// Only what the bindings use (not <torch/extension.h>, which pulls in the whole C++ frontend and doubles the
+// compile time): pybind11 with torch's tensor casters, the THPVariable C API, and the one ATen op called here.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <sstream>
 #include <string>

@@ -7,6 +7,7 @@
 
 Models, optimizer factories and loss functions are defined at module level: the Trainer sends them to
 its worker processes, which import this file to rebuild them (hence the ``__main__`` guard).
+README.md shows this file from ``import argparse`` on (tests/test_readme.py keeps the two the same).
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 def make_data(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 20, generator=g)
-    y = (x[:, :2] > 0).long() @ torch.tensor([1, 2])  # 4 classes from the signs of two features
-    return x, y
+    return x, (x[:, :2] > 0).long() @ torch.tensor([1, 2])  # 4 classes from the signs of two features
 
 
 def stop_when_accurate(info: dict) -> bool:
@@ -52,19 +52,17 @@ def main() -> None:
         validation_data=make_data(1024, seed=1),
         output_fns=[stop_when_accurate],
         plots="training-progress",
-        output_dir="train-output",
+        output_dir="train-output",  # metrics.jsonl and training-progress.png
         checkpoint_dir="train-output/checkpoints",
         checkpoint_every=50,
         resume=True,  # rerunning continues from the newest checkpoint
     )
-    trainer = fastpar.Trainer(
-        make_model, make_optimizer, nn.functional.cross_entropy, make_data(8192, 0), options=options
-    )
+    trainer = fastpar.Trainer(make_model, make_optimizer, nn.functional.cross_entropy, make_data(8192, 0),
+                              options=options)  # fmt: skip
     result = trainer.fit()
-    if result.model is not None:  # rank 0
-        print(
-            f"validation accuracy {result.last('val_accuracy'):.3f} after {result.steps} steps; plot {result.plot_path}"
-        )
+    if result.model is not None:  # rank 0 (the other ranks of a torchrun job get None)
+        print(f"validation accuracy {result.last('val_accuracy'):.3f} after {result.steps} steps")
+        print(f"progress plot {result.plot_path}, metrics {result.metrics_path}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from types import ModuleType
 
 import torch
 
+from . import _build
+
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _lock = threading.Lock()
 _state: dict | None = None
@@ -35,29 +37,6 @@ def csrc_dir() -> Path | None:
         if (candidate / "fastpar.cpp").is_file():
             return candidate
     return None
-
-
-def extension_sources(root: Path, with_cuda: bool) -> list[Path]:
-    """Sources of ``_C``; shared with setup.py so both builds compile the same files."""
-    sources = sorted(root.glob("*.cpp"))
-    if with_cuda:
-        sources += sorted((root / "cuda").glob("*.cu"))
-    return sources
-
-
-def cuda_build_wanted(default: bool) -> bool:
-    flag = os.environ.get("FASTPAR_CUDA")
-    if flag in (None, ""):
-        return default
-    if flag not in ("0", "1"):
-        raise ValueError(f"FASTPAR_CUDA must be 0 or 1, got {flag!r}")
-    return flag == "1"
-
-
-def _cuda_toolkit_usable() -> bool:
-    from torch.utils import cpp_extension
-
-    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
 @contextlib.contextmanager
@@ -79,28 +58,24 @@ def _jit_build() -> ModuleType:
     root = csrc_dir()
     if root is None:
         raise RuntimeError("C++ sources (csrc/) are not shipped with this installation")
-    with_cuda = cuda_build_wanted(default=_cuda_toolkit_usable() and torch.cuda.is_available())
-    sources = extension_sources(root, with_cuda)
-    # Same flags as setup.py: no FMA contraction (bit-exact with the torch reference), OpenMP for at::parallel_for.
-    openmp = ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
-    cflags = ["-O3", "-ffp-contract=off", *openmp] + (["-DFASTPAR_WITH_CUDA"] if with_cuda else [])
-    cuda_cflags = ["-O3", "--fmad=false", "-DFASTPAR_WITH_CUDA"]
-    digest = hashlib.sha256(f"{torch.__version__} {cflags} {cuda_cflags}".encode())
-    for src in sources + sorted(root.rglob("*.h")) + sorted(root.rglob("*.cuh")):
+    with_cuda = _build.cuda_wanted(default=_build.cuda_toolkit_usable(torch) and torch.cuda.is_available())
+    cfg = _build.config(root, torch, with_cuda)  # the same sources and flags as setup.py
+    digest = hashlib.sha256(f"{torch.__version__} {cfg.cxx_flags} {cfg.nvcc_flags}".encode())
+    for src in cfg.sources + sorted(root.rglob("*.h")) + sorted(root.rglob("*.cuh")):
         digest.update(src.read_bytes())
-    tag = f"fastpar_C_{'cuda' if with_cuda else 'cpu'}_{digest.hexdigest()[:12]}"
+    tag = f"fastpar_C_{'cuda' if cfg.with_cuda else 'cpu'}_{digest.hexdigest()[:12]}"
     cache = Path(os.environ.get("FASTPAR_JIT_DIR", Path.home() / ".cache" / "fastpar")) / tag
     cache.mkdir(parents=True, exist_ok=True)
     with _file_lock(cache / ".lock"):
         return cpp_extension.load(
             name=tag,
-            sources=[str(s) for s in sources],
-            extra_cflags=cflags,
-            extra_cuda_cflags=cuda_cflags,
-            extra_ldflags=openmp,
+            sources=[str(s) for s in cfg.sources],
+            extra_cflags=cfg.cxx_flags,
+            extra_cuda_cflags=cfg.nvcc_flags,
+            extra_ldflags=cfg.ldflags,
             extra_include_paths=[str(root)],
             build_directory=str(cache),
-            with_cuda=with_cuda,
+            with_cuda=cfg.with_cuda,
             verbose=os.environ.get("FASTPAR_JIT_VERBOSE") == "1",
         )
 

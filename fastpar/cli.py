@@ -1,10 +1,20 @@
 """The ``fastpar`` command. Each subcommand lives in its own module with ``main(argv) -> int``,
-imported only when that subcommand runs, so one part's optional dependencies never slow another."""
+imported only when that subcommand runs, so one part's optional dependencies never slow another.
+
+Every subcommand gets the same error handling (``fastpar.user_errors``): a user error -- a bad flag,
+a ``UserError`` it raises, a missing optional package, a path it can't use -- is one line on stderr and
+exit status 2; ``--debug`` (or ``FASTPAR_DEBUG=1``) adds the traceback. Anything else is a bug and
+keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
+
+from .user_errors import describe, one_line_argparse_errors
 
 # name -> (module with main(argv), one-line help)
 COMMANDS = {
@@ -19,12 +29,19 @@ def _usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: fastpar <command> [options]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run 'fastpar <command> --help' for a command's options."]
+    lines += [
+        "",
+        "Run 'fastpar <command> --help' for a command's options.",
+        "Errors are one line; 'fastpar --debug <command> ...' (or FASTPAR_DEBUG=1) also shows the traceback.",
+    ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("FASTPAR_DEBUG", "") not in ("", "0")
+    while argv and argv[0] == "--debug":
+        debug, argv = True, argv[1:]
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
@@ -35,10 +52,31 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"fastpar: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        choices = ", ".join(COMMANDS)
+        print(
+            f"fastpar: error: unknown command {name!r}; choose one of {choices} (see 'fastpar --help')", file=sys.stderr
+        )
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return _run(name, rest, debug)
+
+
+def _run(name: str, argv: list[str], debug: bool) -> int:
+    """Run one subcommand; user errors become one line and exit status 2."""
+    try:
+        with one_line_argparse_errors():
+            module = importlib.import_module(COMMANDS[name][0])
+            return int(module.main(argv) or 0)
+    except KeyboardInterrupt as exc:
+        print(f"fastpar {name}: interrupted{f' ({exc})' if str(exc) else ''}", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        line = describe(exc, argv)
+        if line is None:
+            raise  # not the user's to fix: the traceback is the report
+        if debug:
+            traceback.print_exc()
+        print(f"fastpar {name}: error: {line}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -164,13 +164,28 @@ def test_stream_resume_and_callable_source():
 
 
 def _rank_loaders(rank, world_size):
-    """Per-rank: defaults from torch.distributed, batch counts, and the agreed stop of sharded streams."""
+    """Per-rank: defaults from torch.distributed, batch counts, and the agreed stop of sharded streams
+    (with the device of every tensor the agreement all-reduces)."""
+    import torch.distributed as dist
+
+    from fastpar.data.arrays import collective_device
+
     x = torch.arange(31)
     ld = array_loader(x, None, 4, device="cpu")
     arrays = [b.tolist() for b in ld]
-    # rank r's own shard has 5 + 2 r items; rank 0 runs dry after one full batch of 3, so all stop there
-    stream = iterable_loader(iter(range(5 + 2 * rank)), 3, sharded=True, last_batch="drop", device="cpu")
-    return ld.rank, ld.world_size, len(ld), arrays, [b.tolist() for b in stream]
+    reduced_on, all_reduce = [], dist.all_reduce
+
+    def recording_all_reduce(tensor, *args, **kwargs):
+        reduced_on.append(str(tensor.device))
+        return all_reduce(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording_all_reduce
+    try:  # rank r's own shard has 5 + 2 r items; rank 0 runs dry after one full batch of 3, so all stop there
+        stream = iterable_loader(iter(range(5 + 2 * rank)), 3, sharded=True, last_batch="drop", device="cpu")
+        streamed = [b.tolist() for b in stream]
+    finally:
+        dist.all_reduce = all_reduce
+    return ld.rank, ld.world_size, len(ld), arrays, streamed, reduced_on, str(collective_device())
 
 
 def test_real_process_group_defaults_and_stream_agreement():
@@ -179,3 +194,45 @@ def test_real_process_group_defaults_and_stream_agreement():
     assert {r[2] for r in results} == {len(r[3]) for r in results}
     assert sorted(i for r in results for b in r[3] for i in b) == list(range(31))
     assert [len(r[4]) for r in results] == [1, 1, 1]  # rank 0 has 5 items: one full batch, so all stop at 1
+    # gloo reduces on the CPU: two agreement rounds (the full batch, then the stop), both on the group's device
+    assert [r[5] for r in results] == [["cpu", "cpu"]] * 3 and {r[6] for r in results} == {"cpu"}
+
+
+def test_collective_device_is_the_groups_device(monkeypatch):
+    from torch.distributed import distributed_c10d
+
+    from fastpar.data.arrays import collective_device
+
+    monkeypatch.setattr(distributed_c10d, "_get_object_coll_device", lambda group=None: "cuda")  # an NCCL-only group
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device() == torch.device("cuda", 3)
+    monkeypatch.setattr(
+        distributed_c10d, "_get_object_coll_device", lambda group=None: "cpu"
+    )  # gloo, or cpu:gloo,cuda:nccl
+    assert collective_device() == torch.device("cpu")
+
+
+class _Reduced(Exception):
+    pass
+
+
+def test_sharded_stream_agrees_on_the_collective_device(monkeypatch):
+    """The agreement flag is made on collective_device(), not on the CPU: an NCCL-only group (the trainer's on
+    GPUs) rejects CPU tensors. Without GPUs here, "meta" stands in for the GPU."""
+    import torch.distributed as dist
+
+    from fastpar.data import arrays
+
+    seen = []
+
+    def all_reduce(tensor, *args, **kwargs):
+        seen.append(tensor.device)
+        raise _Reduced  # a meta tensor has no value to read back: stop at the collective
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(arrays, "collective_device", lambda: torch.device("meta"))
+    loader = iterable_loader(iter(range(8)), 2, sharded=True, rank=0, world_size=2, device="cpu")
+    with pytest.raises(_Reduced):
+        next(iter(loader))
+    assert seen == [torch.device("meta")]

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..user_errors import UserError
 
-class BenchUsageError(ValueError):
+
+class BenchUsageError(UserError, ValueError):
     """Bad flags or an impossible configuration: the CLI prints it and exits with status 2."""
 
 

@@ -11,7 +11,8 @@ Unsized iterables are the external-source path for user streams:
   (dropped if it has fewer items than ranks, so no rank gets an empty batch).
 - ``sharded=True``: each rank's iterable is already its own shard. Batches are ``batch_size`` items;
   when torch.distributed is initialised the ranks agree before every batch (one all_reduce of a
-  flag) and stop together as soon as any rank runs out; the other ranks' leftovers are dropped.
+  flag, on a device the process group reduces on: the current GPU for NCCL) and stop together as
+  soon as any rank runs out; the other ranks' leftovers are dropped.
 
 Streams have no length and cannot skip without reading: ``load_state_dict`` resumes by reading and
 discarding the items of the batches already done.
@@ -127,6 +128,20 @@ class SequenceLoader(PlannedLoader):
             yield _to_device(self.collate([self.items[i] for i in indices.tolist()]), self.device)
 
 
+def collective_device() -> torch.device:
+    """Where a small tensor must live to be all-reduced on the default process group: CPU for gloo, this
+    process's current GPU for an NCCL-only group (which rejects CPU tensors) -- torch's own rule for its
+    object collectives."""
+    from torch.distributed import distributed_c10d as c10d
+
+    kind = c10d._get_object_coll_device()
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
 class StreamLoader:
     """Batches from an unsized iterable, split across ranks as described in the module docstring."""
 
@@ -182,14 +197,15 @@ class StreamLoader:
     def _sharded_batches(self) -> Iterator[list[Any]]:
         dist = torch.distributed
         agree = dist.is_available() and dist.is_initialized() and self.world_size > 1
+        flag_device = collective_device() if agree else None
         stream = self._stream()
         while True:
             items = list(itertools.islice(stream, self.batch_size))
             full = len(items) == self.batch_size or (bool(items) and self.last_batch == "partial")
             if agree:  # one tiny collective per batch: every rank stops when the first one runs dry
-                flag = torch.tensor([1 if full else 0], dtype=torch.int32)
+                flag = torch.tensor([1 if full else 0], dtype=torch.int32, device=flag_device)
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-                full = bool(flag.item())
+                full = bool(flag.item())  # CPU-GPU sync point on NCCL: once per batch
             if not full:
                 return
             yield items

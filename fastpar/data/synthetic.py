@@ -3,7 +3,9 @@
 Each class has its own colour and shape; every image draws that shape at a random position and
 scale on a noisy background tinted with the class colour. A small CNN learns it in a few epochs,
 the mean colour of any crop still tells the class (handy for label checks), and the same seed
-always writes the same files.
+always writes the same files. ``hard=True`` paints each shape in a random colour and leaves only a
+faint class tint, mixed with a random one, in the background: a small CNN then needs several epochs
+to learn it (``fastpar demo`` shows the learning curve).
 """
 
 from __future__ import annotations
@@ -53,11 +55,19 @@ def _shape_mask(kind: str, h: int, w: int, cy: float, cx: float, radius: float) 
     return ((np.abs(dy) <= 1.0) & (np.abs(dx) <= 0.3)) | ((np.abs(dx) <= 1.0) & (np.abs(dy) <= 0.3))
 
 
-def _render(rng: np.random.Generator, colour: tuple[int, int, int], shape: str, w: int, h: int) -> np.ndarray:
-    """One (H, W, 3) uint8 image of ``shape`` in ``colour`` on a tinted noisy background."""
+def _random_colour(rng: np.random.Generator) -> np.ndarray:
+    return np.asarray(colorsys.hsv_to_rgb(rng.uniform(), rng.uniform(0.5, 0.9), rng.uniform(0.6, 1.0))) * 255.0
+
+
+def _render(rng: np.random.Generator, colour: tuple[int, int, int], shape: str, w: int, h: int,
+            hard: bool = False) -> np.ndarray:  # fmt: skip
+    """One (H, W, 3) uint8 image of ``shape`` in ``colour`` on a tinted noisy background (``hard``: see above)."""
     base = np.asarray(colour, dtype=np.float32)
     grey = rng.uniform(70.0, 150.0)
     background = 0.6 * grey + 0.4 * base  # tint: the mean colour of any crop identifies the class
+    if hard:  # a faint tint, blurred by a random one: learnable, but not from the first batches
+        background = 0.5 * grey + 0.3 * base + 0.2 * _random_colour(rng)
+        base = _random_colour(rng).astype(np.float32)
     img = np.empty((h, w, 3), dtype=np.int16)  # int16 arithmetic: several times faster than float
     img[:] = background.astype(np.int16)
     radius = rng.uniform(0.2, 0.4) * min(h, w)
@@ -77,11 +87,13 @@ def make_image_folder(
     seed: int = 0,
     fmt: str = "jpeg",
     quality: int = 90,
+    hard: bool = False,
 ) -> Path:
     """Write ``classes`` subfolders of ``per_class`` images each under ``root`` and return ``root``.
 
     ``size`` is (width, height). Folder names sort in label order (``00_red``, ``01_green``, ...), so
     ``image_loader`` assigns label k to class k. The files depend only on the arguments.
+    ``hard=True``: shapes in random colours, a faint class tint (see the module docstring).
     """
     pil_image = require("PIL.Image", extra="dev", purpose="writing synthetic images")
     if fmt.lower() not in _FORMATS:
@@ -99,7 +111,7 @@ def make_image_folder(
         folder.mkdir(parents=True, exist_ok=True)
         shape = _SHAPES[label % len(_SHAPES)]
         for i in range(per_class):
-            pixels = _render(rng, colour, shape, w, h)
+            pixels = _render(rng, colour, shape, w, h, hard)
             path = folder / f"{i:05d}{suffix}"
             if pil_format == "JPEG":
                 pil_image.fromarray(pixels).save(path, pil_format, quality=quality)

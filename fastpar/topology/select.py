@@ -181,12 +181,15 @@ def select_devices(
     exclude_busy: bool = True,
     explain: bool = False,
     busy_memory_mib: int = DEFAULT_BUSY_MEMORY_MIB,
+    among: list[int] | None = None,
 ) -> list[int] | Selection:
     """The k GPUs (nvidia-smi / PCI-order indices) with the best modelled collective bandwidth.
 
     With ``explain=True`` returns a Selection (``.devices``, reasons, ``str()`` for people).
     Busy GPUs (processes running, or more than ``busy_memory_mib`` used) are skipped unless
-    ``exclude_busy=False``. Raises ValueError when k < 1 or more GPUs are asked for than are free.
+    ``exclude_busy=False``; ``among`` limits the choice to those indices (e.g. the GPUs CUDA_VISIBLE_DEVICES
+    allows: ``cuda_order.select_cuda_devices`` does that and returns CUDA ordinals, which these are not).
+    Raises ValueError when k < 1 or more GPUs are asked for than are free.
     """
     if topology is None:
         from .discover import discover
@@ -194,10 +197,11 @@ def select_devices(
         topology = discover()
     if k < 1:
         raise ValueError(f"k must be at least 1, got {k}")
-    busy = {g.index: why for g in topology.gpus if (why := busy_reason(g, busy_memory_mib))}
-    candidates = sorted(g.index for g in topology.gpus if not (exclude_busy and g.index in busy))
+    allowed = [g for g in topology.gpus if among is None or g.index in among]
+    busy = {g.index: why for g in allowed if (why := busy_reason(g, busy_memory_mib))}
+    candidates = sorted(g.index for g in allowed if not (exclude_busy and g.index in busy))
     if k > len(candidates):
-        total = len(topology.gpus)
+        total = len(allowed)
         if total == 0:
             raise ValueError(f"asked for {k} GPU(s) but this topology has none ({topology.gpu_status or 'no GPUs'})")
         detail = "; ".join(f"GPU{i}: {why}" for i, why in sorted(busy.items())) if exclude_busy and busy else ""

@@ -12,12 +12,14 @@ import os
 
 import torch
 
+from ..user_errors import UserError
+
 # Variables torchrun (torch.distributed.run) sets in every worker it starts.
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _MAX_DEFAULT_CPU_PROCESSES = 4
 
 
-class ExecutionEnvironmentError(RuntimeError):
+class ExecutionEnvironmentError(UserError, RuntimeError):
     """The requested execution environment can't be had on this machine; the message says what to change."""
 
 
@@ -27,7 +29,7 @@ class Plan:
     nprocs: int  # processes this launcher starts on this machine (0: already running under torchrun)
     backend: str | None  # process-group backend; None for a single process
     device_type: str  # cpu | cuda
-    device_ids: tuple[int, ...] = ()  # CUDA device of each local rank
+    device_ids: tuple[int, ...] = ()  # CUDA device (ordinal in this process, not NVML index) of each local rank
     threads_per_process: int = 1
 
     @property
@@ -79,9 +81,9 @@ def _gpu_ids(kind: str, devices: int | None, available: int) -> tuple[int, ...]:
         )
     if devices == available:
         return tuple(range(available))
-    from ..topology import select_devices  # the best-connected k GPUs (NVLink first)
+    from ..topology.cuda_order import select_cuda_devices  # the best-connected k visible GPUs (NVLink first)
 
-    return tuple(int(i) for i in select_devices(devices))
+    return tuple(select_cuda_devices(devices))
 
 
 def _cluster_plan(threads: int | None) -> Plan:

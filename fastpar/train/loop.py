@@ -77,17 +77,18 @@ class Run:
         self.started, self.loader_state, self.skip = time.perf_counter(), None, 0
         self.ckpt_dir = Path(opts.checkpoint_dir) if opts.checkpoint_dir else None
         resumed = self._maybe_resume()
-        self.saved_step = self.step
+        self.start_step = self.saved_step = self.step
         self.checkpoints = [str(p) for p in ckpt.list_checkpoints(self.ckpt_dir)] if self.ckpt_dir else []
 
         self.output_dir = Path(opts.output_dir)
         if self.is_main:
             self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", self.step if resumed else None)
-            self.bar = ProgressBar(self.total_steps, opts.max_epochs) if opts.progress_bar else None
+            self.bar = None
+            if opts.progress_bar and self.epoch < opts.max_epochs:  # nothing to train: no bar, no summary
+                self._print_summary()  # before the bar starts redrawing its line
+                self.bar = ProgressBar(self.total_steps, opts.max_epochs, start_step=self.step)
             self.plot_path = self.output_dir / "training-progress.png" if opts.plots == "training-progress" else None
             self._plotted_at = 0.0
-            if self.bar is not None:
-                self._print_summary()
         self._reset_window()
 
     def _agreed_batches_per_epoch(self) -> int:
@@ -118,6 +119,7 @@ class Run:
             return False
         position = resume.restore(self.ckpt_dir, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                                   rank=self.rank, world_size=self.world_size, batches_per_epoch=self.batches,
+                                  total_steps=self.total_steps, max_epochs=self.opts.max_epochs,
                                   report=print if self.is_main else (lambda _msg: None))  # fmt: skip
         if position is None:
             return False
@@ -128,7 +130,8 @@ class Run:
     def _save_checkpoint(self) -> None:
         self.saved_step = self.step  # on every rank: they all decide alike whether a final save is due
         kept = resume.save(self.ckpt_dir, self.opts.keep_checkpoints, step=self.step, epoch=self.epoch,
-                           batch_in_epoch=self.batch_in_epoch, elapsed=self.elapsed(), model=self.model,
+                           batch_in_epoch=self.batch_in_epoch, elapsed=self.elapsed(),
+                           total_steps=self.total_steps, model=self.model,
                            optimizer=self.optimizer, scheduler=self.scheduler, train_loader=self.train_loader,
                            rank=self.rank, world_size=self.world_size)  # fmt: skip
         if kept is not None:
@@ -354,6 +357,7 @@ class Run:
             "history": records,
             "stopped_early": self.step < self.total_steps,
             "steps": self.step,
+            "start_step": self.start_step,
             "metrics_path": str(self.metrics.path),
             "plot_path": str(self.plot_path) if self.plot_path and self.plot_path.exists() else None,
             "checkpoints": self.checkpoints,

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from ..user_errors import OptionError
+
 ENVIRONMENTS = ("auto", "cpu", "gpu", "multi-gpu", "cluster")
 DDP_CHOICES = ("auto", "torch", "fastpar")
 PLOTS = (None, "none", "training-progress")
@@ -75,12 +77,12 @@ class TrainingOptions:
         self.validate()
 
     def validate(self) -> None:
-        """Raise ValueError naming the option and the accepted values when an option is out of range."""
+        """Raise OptionError (a ValueError) naming the option and the accepted values when an option is out of range."""
 
         def positive(name: str, minimum: int = 1) -> None:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"TrainingOptions.{name} must be an integer >= {minimum}, got {value!r}")
+                raise OptionError(name, f"TrainingOptions.{name} must be an integer >= {minimum}, got {value!r}")
 
         for name in ("max_epochs", "batch_size", "grad_accum_steps", "log_every", "keep_checkpoints"):
             positive(name)
@@ -92,25 +94,32 @@ class TrainingOptions:
         if self.data_threads is not None:
             positive("data_threads", 0)
         if self.execution_environment not in ENVIRONMENTS:
-            raise ValueError(
-                f"TrainingOptions.execution_environment must be one of {ENVIRONMENTS}, got {self.execution_environment!r}"
+            raise OptionError(
+                "execution_environment",
+                f"TrainingOptions.execution_environment must be one of {ENVIRONMENTS}, got {self.execution_environment!r}",
             )
         if self.ddp not in DDP_CHOICES:
-            raise ValueError(f"TrainingOptions.ddp must be one of {DDP_CHOICES}, got {self.ddp!r}")
+            raise OptionError("ddp", f"TrainingOptions.ddp must be one of {DDP_CHOICES}, got {self.ddp!r}")
         if self.plots not in PLOTS:
-            raise ValueError(f"TrainingOptions.plots must be 'training-progress' or None, got {self.plots!r}")
+            raise OptionError("plots", f"TrainingOptions.plots must be 'training-progress' or None, got {self.plots!r}")
         if self.grad_dtype is not None and self.grad_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"TrainingOptions.grad_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got {self.grad_dtype!r}"
+            raise OptionError(
+                "grad_dtype",
+                f"TrainingOptions.grad_dtype must be None, torch.float32, torch.bfloat16 or torch.float16, got {self.grad_dtype!r}",
             )
         if self.grad_clip_norm is not None and not self.grad_clip_norm > 0:
-            raise ValueError(f"TrainingOptions.grad_clip_norm must be positive or None, got {self.grad_clip_norm!r}")
+            raise OptionError(
+                "grad_clip_norm",
+                f"TrainingOptions.grad_clip_norm must be positive or None, got {self.grad_clip_norm!r}",
+            )
         if callable(self.output_fns):
             self.output_fns = (self.output_fns,)
         for fn in self.output_fns:
             if not callable(fn):
-                raise ValueError(f"TrainingOptions.output_fns must hold callables, got {fn!r}")
+                raise OptionError("output_fns", f"TrainingOptions.output_fns must hold callables, got {fn!r}")
         if self.lr_scheduler is not None and not callable(self.lr_scheduler):
-            raise ValueError("TrainingOptions.lr_scheduler must be a factory: a callable taking the optimizer")
+            raise OptionError(
+                "lr_scheduler", "TrainingOptions.lr_scheduler must be a factory: a callable taking the optimizer"
+            )
         if self.resume and self.checkpoint_dir is None:
-            raise ValueError("TrainingOptions.resume=True needs checkpoint_dir: the folder to resume from")
+            raise OptionError("resume", "TrainingOptions.resume=True needs checkpoint_dir: the folder to resume from")

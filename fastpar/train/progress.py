@@ -1,12 +1,15 @@
-"""What rank 0 shows and keeps while training: a progress bar and ``metrics.jsonl``."""
+"""What rank 0 shows and keeps while training: a progress bar (tqdm where it can redraw) and ``metrics.jsonl``."""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
+
+from .._optional import available
 
 
 def format_duration(seconds: float) -> str:
@@ -15,49 +18,82 @@ def format_duration(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-class ProgressBar:
-    """One line per update: redrawn in place on a terminal, appended otherwise (logs stay readable)."""
+def _in_notebook() -> bool:
+    """True in a Jupyter kernel (a single-process run trains there; launched workers have no notebook)."""
+    shell = sys.modules.get("IPython") and getattr(sys.modules["IPython"], "get_ipython", lambda: None)()
+    return type(shell).__name__ == "ZMQInteractiveShell"
 
-    def __init__(self, total_steps: int, max_epochs: int, stream: TextIO | None = None, width: int = 24) -> None:
+
+def metrics_text(record: dict[str, Any]) -> str:
+    """ "loss 0.4321  acc 87.5%  val_loss ...  1234 samples/s" for one logged record."""
+    parts = [f"loss {record['loss']:.4f}"]
+    if record.get("accuracy") is not None:
+        parts.append(f"acc {100 * record['accuracy']:.1f}%")
+    if record.get("val_loss") is not None:
+        parts.append(f"val_loss {record['val_loss']:.4f}")
+    if record.get("val_accuracy") is not None:
+        parts.append(f"val_acc {100 * record['val_accuracy']:.1f}%")
+    parts.append(f"{record['samples_per_s']:.0f} samples/s")
+    return "  ".join(parts)
+
+
+def _redrawable(stream: TextIO) -> bool:
+    """A terminal with a size: a pseudo-terminal that reports 0 rows (some CI runners, ``script``) would make
+    tqdm print nothing at all."""
+    if not stream.isatty():
+        return False
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (OSError, ValueError):  # no file descriptor (a stand-in stream): trust isatty()
+        return True
+    return size.lines > 0 and size.columns > 0
+
+
+class ProgressBar:
+    """Training progress on rank 0, updated at every logged step.
+
+    In a terminal or a notebook: a tqdm bar (steps, rate, ETA; the latest metrics beside it). Elsewhere --
+    output piped to a log file, or tqdm not installed -- one plain line per update, because a redrawn
+    bar writes carriage returns that make logs unreadable.
+    """
+
+    def __init__(self, total_steps: int, max_epochs: int, stream: TextIO | None = None,
+                 start_step: int = 0, width: int = 24) -> None:  # fmt: skip
         self.total_steps, self.max_epochs, self.width = total_steps, max_epochs, width
         self.stream = stream or sys.stdout
-        self.inplace = self.stream.isatty()
+        self._bar = None
+        notebook = _in_notebook() and stream is None
+        if (notebook or _redrawable(self.stream)) and available("tqdm"):
+            if notebook:
+                from tqdm.auto import tqdm  # the notebook widget when ipywidgets is there, else text
+            else:
+                from tqdm import tqdm
+            self._bar = tqdm(total=total_steps, initial=start_step, file=None if notebook else self.stream,
+                             unit="step", dynamic_ncols=True, leave=True)  # fmt: skip
         self._start_step: int | None = None
         self._start_time = time.perf_counter()
 
     def update(self, record: dict[str, Any]) -> None:
         step = record["iteration"]
+        epoch = f"epoch {record['epoch'] + 1}/{self.max_epochs}"
+        if self._bar is not None:
+            self._bar.set_description(epoch, refresh=False)
+            self._bar.set_postfix_str(metrics_text(record), refresh=False)
+            self._bar.update(step - self._bar.n)
+            return
         if self._start_step is None:  # ETA from this run's own pace (a resumed run starts mid-way)
             self._start_step, self._start_time = step, time.perf_counter()
-        done = step / max(self.total_steps, 1)
-        filled = int(self.width * done)
+        filled = int(self.width * step / max(self.total_steps, 1))
         bar = "#" * filled + "." * (self.width - filled)
         rate = (step - self._start_step) / max(time.perf_counter() - self._start_time, 1e-9)
-        eta = (self.total_steps - step) / rate if rate > 0 else float("nan")
-        parts = [
-            f"epoch {record['epoch'] + 1}/{self.max_epochs}",
-            f"step {step}/{self.total_steps} [{bar}]",
-            f"loss {record['loss']:.4f}",
-        ]
-        if record.get("accuracy") is not None:
-            parts.append(f"acc {100 * record['accuracy']:.1f}%")
-        if record.get("val_loss") is not None:
-            parts.append(f"val_loss {record['val_loss']:.4f}")
-        if record.get("val_accuracy") is not None:
-            parts.append(f"val_acc {100 * record['val_accuracy']:.1f}%")
-        parts.append(f"{record['samples_per_s']:.0f} samples/s")
-        parts.append(f"ETA {format_duration(eta) if eta == eta else '?'}")
-        line = "  ".join(parts)
-        if self.inplace:
-            self.stream.write("\r\033[K" + line)
-        else:
-            self.stream.write(line + "\n")
+        eta = format_duration((self.total_steps - step) / rate) if rate > 0 else "?"
+        line = f"{epoch}  step {step}/{self.total_steps} [{bar}]  {metrics_text(record)}  ETA {eta}"
+        self.stream.write(line + "\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.inplace:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()
 
 
 class MetricsLog:

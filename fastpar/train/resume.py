@@ -3,6 +3,13 @@
 Rank 0 writes one file per checkpoint: model, optimizer and scheduler state, plus every rank's RNG
 states and data position (gathered from all ranks), so a run with the same number of processes
 continues with exactly the batches and random numbers the uninterrupted run would have used.
+
+Resuming with a different ``max_epochs`` changes the run's length: a finished run can be extended
+(or a stopped one shortened). The learning-rate schedule then follows the new length: the scheduler
+your factory builds for this run (e.g. a one-cycle over the new total steps) continues from the
+checkpoint's step, as if the run had been planned that long from the start. Only the scheduler's
+position (``last_epoch``, step count, last LRs) comes from the checkpoint; a scheduler without those
+keys is restored as saved. A checkpoint that already reaches ``max_epochs`` leaves nothing to train.
 """
 
 from __future__ import annotations
@@ -30,9 +37,13 @@ class Position:
     path: Path
 
 
+# The keys of a torch LR scheduler's state that say where it is, not what it was configured as.
+_SCHEDULE_POSITION = ("last_epoch", "_step_count", "_last_lr")
+
+
 def save(directory: Path, keep: int, *, step: int, epoch: int, batch_in_epoch: int, elapsed: float,
-         model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, train_loader: Any,
-         rank: int, world_size: int) -> list[str] | None:  # fmt: skip
+         total_steps: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+         train_loader: Any, rank: int, world_size: int) -> list[str] | None:  # fmt: skip
     """Collective: every rank calls it. Rank 0 writes the checkpoint and returns the kept paths, others None."""
     loader_state = train_loader.state_dict() if hasattr(train_loader, "state_dict") else None
     mine = {"rng": ckpt.rng_state(), "batch_in_epoch": batch_in_epoch, "loader": loader_state}
@@ -47,6 +58,7 @@ def save(directory: Path, keep: int, *, step: int, epoch: int, batch_in_epoch: i
         "step": step,
         "epoch": epoch,
         "elapsed": elapsed,
+        "total_steps": total_steps,  # the run's planned length: a resume with another length re-plans the schedule
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -58,7 +70,7 @@ def save(directory: Path, keep: int, *, step: int, epoch: int, batch_in_epoch: i
 
 
 def restore(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-            rank: int, world_size: int, batches_per_epoch: int,
+            rank: int, world_size: int, batches_per_epoch: int, total_steps: int, max_epochs: int,
             report: Callable[[str], None]) -> Position | None:  # fmt: skip
     """Load the newest valid checkpoint into model/optimizer/scheduler and this rank's RNGs; None if none."""
     state, path = ckpt.load_newest_valid(directory, report=report)
@@ -67,8 +79,10 @@ def restore(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.O
         return None
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    planned = state.get("total_steps", total_steps)  # checkpoints from before fastpar saved it: assume unchanged
     if scheduler is not None and state.get("scheduler") is not None:
-        scheduler.load_state_dict(state["scheduler"])
+        saved = state["scheduler"]
+        scheduler.load_state_dict(saved if planned == total_steps else _repositioned(scheduler.state_dict(), saved))
     ranks = state["ranks"]
     epoch, batch_in_epoch, loader_state = state["epoch"], 0, None
     if len(ranks) == world_size:  # same world size: exact continuation
@@ -80,5 +94,35 @@ def restore(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.O
                "the data order restarts at the beginning of its epoch")  # fmt: skip
     if batch_in_epoch >= batches_per_epoch:  # written at the end of an epoch
         epoch, batch_in_epoch, loader_state = epoch + 1, 0, None
-    report(f"fastpar: resumed from {path} (step {state['step']}, epoch {epoch + 1})")
-    return Position(state["step"], epoch, batch_in_epoch, state.get("elapsed", 0.0), loader_state, path)
+    step = state["step"]
+    where = (
+        f"{epoch} of {max_epochs} epochs done"
+        if batch_in_epoch == 0
+        else f"in epoch {epoch + 1} of {max_epochs}, {batch_in_epoch} of {batches_per_epoch} batches done"
+    )
+    if epoch >= max_epochs:
+        message = (
+            f"nothing to do: the newest checkpoint, {path}, is at step {step} and already completes "
+            f"max_epochs={max_epochs} epoch(s); pass a larger max_epochs to train further"
+        )
+    elif planned != total_steps:
+        message = (
+            f"resuming from {path} at step {step} ({where}); the run was planned for {planned} steps, now "
+            f"{total_steps}: the learning-rate schedule for {total_steps} steps continues from step {step}"
+        )
+    else:
+        message = f"resuming from {path} at step {step} of {total_steps} ({where})"
+    report(f"fastpar: {message}")
+    return Position(step, epoch, batch_in_epoch, state.get("elapsed", 0.0), loader_state, path)
+
+
+def _repositioned(fresh: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+    """``fresh`` (the scheduler built for this run's length) moved to ``saved``'s position; sub-schedulers
+    (SequentialLR, ChainedScheduler) alike. A scheduler without a known position is restored as saved."""
+    if not any(key in saved for key in _SCHEDULE_POSITION):
+        return saved
+    merged = {**fresh, **{key: saved[key] for key in _SCHEDULE_POSITION if key in saved}}
+    inner_fresh, inner_saved = fresh.get("_schedulers"), saved.get("_schedulers")
+    if isinstance(inner_fresh, list) and isinstance(inner_saved, list) and len(inner_fresh) == len(inner_saved):
+        merged["_schedulers"] = [_repositioned(f, s) for f, s in zip(inner_fresh, inner_saved, strict=True)]
+    return merged

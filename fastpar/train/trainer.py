@@ -28,6 +28,7 @@ class TrainingResult:
     stopped_early: bool  # an output function returned True
     steps: int
     elapsed: float
+    start_step: int = 0  # the step this call started (or resumed) at; == steps when there was nothing to train
 
     @property
     def final(self) -> dict[str, Any]:
@@ -126,4 +127,5 @@ class Trainer:
             stopped_early=raw["stopped_early"],
             steps=raw["steps"],
             elapsed=raw["elapsed"],
+            start_step=raw["start_step"],
         )

@@ -1,0 +1,125 @@
+"""Every user error of the ``fastpar`` command is one line on stderr with exit status 2; bugs keep their traceback.
+
+In-process through ``fastpar.cli.main`` (fast), plus one real subprocess for the exit status a shell sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastpar import cli
+from fastpar.user_errors import OptionError, UserError, describe
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, list[str]]:
+    code = cli.main(argv)
+    return code, capsys.readouterr().err.splitlines()
+
+
+def _not_a_folder(tmp_path: Path) -> str:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    return str(blocker / "runs")  # a folder inside a file can't be created
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["demo", "--devices", "0"], "fastpar demo: error: argument --devices: must be at least 1, got 0"),
+        (["demo", "--epochs", "x"], "fastpar demo: error: argument --epochs: expected an integer, got 'x'"),
+        (["demo", "--lr", "0"], "argument --lr: must be above 0, got 0"),
+        (["demo", "--per-class", "1"], "raise --per-class or lower --batch-size"),
+        (["demo", "--environment", "tpu"], "argument --environment: invalid choice: 'tpu'"),
+        (["demo", "--dir", "NOT_A_FOLDER"], "can't write there"),
+        (["info", "--bogus"], "fastpar info: error: unrecognized arguments: --bogus (see 'fastpar info --help')"),
+        (["bench", "pack", "--bogus"], "fastpar bench pack: error: unrecognized arguments: --bogus"),
+        (["topo", "--from", "/nonexistent/node.txt"], "fastpar topo: error:"),
+        (["nope"], "fastpar: error: unknown command 'nope'; choose one of"),
+    ],
+)
+def test_user_errors_are_one_line_with_status_2(argv, expected, capsys, tmp_path):
+    argv = [_not_a_folder(tmp_path) if a == "NOT_A_FOLDER" else a for a in argv]
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert expected in err[0]
+    assert argparse.ArgumentParser.error.__module__ == "argparse"  # the one-line patch is undone
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_environment_without_gpu_is_one_line(capsys):
+    code, err = run_cli(["demo", "--environment", "gpu"], capsys)
+    assert code == 2 and len(err) == 1 and "needs a CUDA GPU" in err[0]
+
+
+def test_missing_optional_dependency_is_one_line_naming_the_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    code, err = run_cli(["demo", "--dir", str(tmp_path / "d")], capsys)
+    assert code == 2 and len(err) == 1 and "pip install 'fastpar[plot]'" in err[0], err
+    assert not (tmp_path / "d" / "data").exists()  # refused before writing anything
+
+
+def _fake_command(monkeypatch, error: BaseException) -> None:
+    module = types.ModuleType("fastpar_test_fake_command")
+
+    def main(argv):
+        raise error
+
+    module.main = main
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(cli.COMMANDS, "fake", (module.__name__, "raises what the test gives it"))
+
+
+def test_bugs_keep_their_traceback(monkeypatch):
+    _fake_command(monkeypatch, RuntimeError("an internal invariant broke"))
+    with pytest.raises(RuntimeError, match="internal invariant"):
+        cli.main(["fake"])
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_debug_shows_the_traceback_of_user_errors(monkeypatch, capsys, how):
+    _fake_command(monkeypatch, UserError("the thing is wrong; do this instead"))
+    if how == "env":
+        monkeypatch.setenv("FASTPAR_DEBUG", "1")
+    code, err = run_cli(["--debug", "fake"] if how == "flag" else ["fake"], capsys)
+    assert code == 2 and err[0] == "Traceback (most recent call last):"
+    assert err[-1] == "fastpar fake: error: the thing is wrong; do this instead"
+
+
+def test_option_errors_name_the_flag_the_user_typed():
+    exc = OptionError("devices", "TrainingOptions.devices must be an integer >= 1, got 0")
+    assert describe(exc, ["--devices", "0"]) == "--devices must be an integer >= 1, got 0"
+    assert describe(exc, ["--devices=0"]) == "--devices must be an integer >= 1, got 0"
+    assert describe(exc, []) == "TrainingOptions.devices must be an integer >= 1, got 0"  # not a flag here
+    assert isinstance(exc, ValueError)  # code that catches ValueError keeps working
+
+
+def test_which_exceptions_are_user_errors(tmp_path):
+    missing = tmp_path / "nope" / "x.txt"
+    with pytest.raises(FileNotFoundError) as info:
+        missing.read_text()
+    line = describe(info.value)
+    assert line is not None and str(missing) in line and "\n" not in line
+    assert describe(ImportError("matplotlib is needed ... Install it: pip install 'fastpar[plot]'")) is not None
+    assert describe(ImportError("cannot import name 'x' from 'fastpar'")) is None  # a broken install: traceback
+    assert describe(ValueError("Tried to step 73 times")) is None  # a bug, not the user's
+    assert describe(UserError("two\nlines")) == "two lines"
+
+
+def test_shell_sees_one_line_and_status_2():
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-m", "fastpar", "demo", "--devices", "0"], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "fastpar demo: error: argument --devices: must be at least 1, got 0 (see 'fastpar demo --help')"
+    ]
