@@ -67,16 +67,14 @@ class BucketKernels:
     def pack(self, tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         _check_flat("pack", "out", out)
         codes = _dtype_codes("pack", out, tensors, "out")
-        rows, chunks, contiguous_copies = [], 0, []  # the copies live until the launch: the table points at them
+        rows, chunks, copies = [], 0, []
         dst, step, out_code = out.data_ptr(), out.element_size(), DTYPE_CODES[out.dtype]
         plain = np.float32(scale) == 1.0
         for t, code in zip(tensors, codes, strict=True):
             n = t.numel()
             if n == 0:
                 continue
-            if not t.is_contiguous():
-                t = t.contiguous()
-                contiguous_copies.append(t)
+            t = _contiguous(t, copies)
             if not (plain and t.data_ptr() == dst and t.dtype == out.dtype):  # else already a view of the bucket
                 rows.append((t.data_ptr(), dst, n, chunks, code, out_code))
                 chunks += -(-n // self._chunk)
@@ -108,14 +106,12 @@ class BucketKernels:
 
     def norm_and_finite(self, flats: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         device = _check_flats(flats)
-        rows, chunks, contiguous_copies = [], 0, []
+        rows, chunks, copies = [], 0, []
         for f in flats:
             n = f.numel()
             if n == 0:
                 continue
-            if not f.is_contiguous():
-                f = f.contiguous()
-                contiguous_copies.append(f)
+            f = _contiguous(f, copies)
             rows.append((f.data_ptr(), n, chunks, DTYPE_CODES[f.dtype]))
             chunks += -(-n // self._chunk)
         stream = self._launcher.stream(device)
@@ -170,6 +166,14 @@ def _dtype_codes(op: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor], n
     if total > flat.numel():
         _check_list(op, flat, tensors, name)
     return codes
+
+
+def _contiguous(t: torch.Tensor, copies: list[torch.Tensor]) -> torch.Tensor:
+    """``t``, or a contiguous copy of it kept in ``copies`` until the launch: the table points at its memory."""
+    if t.is_contiguous():
+        return t
+    copies.append(t.contiguous())
+    return copies[-1]
 
 
 def _ptr(tensor: torch.Tensor) -> np.uint64:

@@ -169,14 +169,6 @@ def test_norm_of_empty_buffers_only_finishes():
 
 
 # ---- the loader ---------------------------------------------------------------------------------------------------
-@pytest.fixture
-def fresh_loader(monkeypatch):
-    _ext._reset_for_tests()
-    yield monkeypatch
-    monkeypatch.undo()
-    _ext._reset_for_tests()
-
-
 def test_a_gpu_without_cuda_kernels_gets_the_cupy_tier(fresh_loader):
     tier, _ = emulated_tier()
     fresh_loader.setenv("FASTPAR_EXT", "auto")
@@ -324,40 +316,58 @@ def test_array_loader_shares_dlpack_arrays_without_a_copy():
 
 
 # ---- on a GPU: the real tier ----------------------------------------------------------------------------------------
-def _gpu_ddp_rank(rank: int, world_size: int) -> dict:
+def _train_on_gpu(wrap, device: torch.device, rank: int) -> dict:
     sys.path.insert(0, os.path.dirname(__file__))
     from test_ddp_models import MODELS
 
+    torch.manual_seed(0)
+    module = MODELS["mlp"]().to(device)
+    model = wrap(module)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(5):
+        opt.zero_grad()
+        model(torch.randn(8, 16, generator=gen).to(device), step=step, rank=rank).square().mean().backward()
+        opt.step()
+    return {k: v.cpu() for k, v in module.state_dict().items()}
+
+
+def _gpu_ddp_rank(rank: int, world_size: int) -> dict:
     from fastpar import _ext, ops
 
-    os.environ["FASTPAR_EXT"] = "cupy"
-    _ext._reset_for_tests()
     device = torch.device("cuda", torch.cuda.current_device())
-    results = {}
-    for name, wrap in (("torch", torch.nn.parallel.DistributedDataParallel), ("fastpar", fastpar.DDP)):
-        torch.manual_seed(0)
-        module = MODELS["mlp"]().to(device)
-        model = wrap(module, device_ids=[device.index])
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        gen = torch.Generator().manual_seed(100 + rank)
-        for step in range(5):
-            opt.zero_grad()
-            model(torch.randn(8, 16, generator=gen).to(device), step=step, rank=rank).square().mean().backward()
-            opt.step()
-        results[name] = {k: v.cpu() for k, v in module.state_dict().items()}
-    return {
-        "served": ops.last_implementation(device),
-        "status": _ext.ext_status(),
-        "differ": [k for k in results["torch"] if not torch.equal(results["torch"][k], results["fastpar"][k])],
+    ids = [device.index]
+    reference = _train_on_gpu(lambda m: torch.nn.parallel.DistributedDataParallel(m, device_ids=ids), device, rank)
+    variants = {
+        "views": lambda m: fastpar.DDP(m, device_ids=ids),
+        "no_views": lambda m: fastpar.DDP(m, device_ids=ids, gradient_as_bucket_view=False),
+        "bf16": lambda m: fastpar.DDP(m, device_ids=ids, grad_dtype=torch.bfloat16),
     }
+    results, outcome = {}, {}
+    for ext in ("cupy", "torch"):
+        os.environ["FASTPAR_EXT"] = ext
+        _ext._reset_for_tests()
+        for name, wrap in variants.items():
+            ops._last_served.clear()
+            results[ext, name] = _train_on_gpu(wrap, device, rank)
+            outcome[f"{ext}/{name} served by"] = ops.last_implementation(device)
+        outcome[f"{ext} status"] = _ext.ext_status()
+    for name in ("views", "no_views"):
+        outcome[f"{name}: cupy != torch DDP"] = [k for k in reference if not torch.equal(reference[k], results["cupy", name][k])]  # fmt: skip
+    outcome["bf16: cupy != torch ops"] = [k for k in reference if not torch.equal(results["cupy", "bf16"][k], results["torch", "bf16"][k])]  # fmt: skip
+    return outcome
 
 
 @needs_gpu
 def test_ddp_on_a_gpu_runs_the_cupy_tier():
     pytest.importorskip("cupy")
     outcome = spawn(_gpu_ddp_rank, 1, backend="nccl", timeout=300)[0]
-    assert outcome["status"]["backend"] == "cupy", outcome["status"]
-    assert outcome["served"] == "cupy" and outcome["differ"] == [], outcome
+    assert outcome["cupy status"]["backend"] == "cupy", outcome["cupy status"]
+    for key, value in outcome.items():
+        if key.endswith("served by"):
+            assert value == key.split("/")[0], (key, value)
+        elif not key.endswith("status"):
+            assert value == [], (key, value)
 
 
 def _run(args: list[str], **env) -> subprocess.CompletedProcess:

@@ -14,15 +14,6 @@ import fastpar
 from fastpar import _ext, ops
 
 
-@pytest.fixture
-def fresh_loader(monkeypatch):
-    """Lets a test re-run the loader under its own conditions; the real state is restored afterwards."""
-    _ext._reset_for_tests()
-    yield monkeypatch
-    monkeypatch.undo()
-    _ext._reset_for_tests()
-
-
 def test_ext_status_structure():
     status = fastpar.ext_status()
     assert set(status) == {"backend", "reason", "cuda", "cpu", "nvrtc"}
