@@ -1,12 +1,14 @@
-"""Find the compiled extension ``fastpar._C``: prebuilt, else JIT-built, else pure torch.
+"""Find the kernels behind ``fastpar.ops``: the compiled ``fastpar._C``, the CuPy/NVRTC tier, a JIT build, pure torch.
 
-Loading order (DESIGN.md): the module built by ``setup.py`` → a JIT build with
-``torch.utils.cpp_extension.load`` (cached per torch version and source hash, guarded by a file lock
-so many ranks starting at once build it once) → the pure-torch fallback in ``fastpar._torch_ops``
-with one warning. Nothing here raises: ``import fastpar`` never fails because of the extension.
+Loading order (DESIGN.md): the module built by ``setup.py`` when it has CUDA kernels (or no GPU is visible) →
+on a GPU without them, the CuPy tier (``fastpar._cupy_tier``: the same ``csrc/cuda`` source compiled by NVRTC;
+CPU tensors then use the prebuilt module if there is one, else torch) → the prebuilt CPU-only module → a JIT build
+with ``torch.utils.cpp_extension.load`` (cached per torch version and source hash, guarded by a file lock so many
+ranks starting at once build it once) → the pure-torch fallback in ``fastpar._torch_ops`` with one warning.
+Nothing here raises: ``import fastpar`` never fails because of the extension.
 
 Environment:
-  FASTPAR_EXT=auto|compiled|jit|torch  force a path ("torch" skips the extension entirely)
+  FASTPAR_EXT=auto|compiled|cupy|jit|torch  force a path ("torch" skips the extension entirely)
   FASTPAR_JIT_DIR=DIR                  where JIT builds are cached (default ~/.cache/fastpar)
   FASTPAR_CUDA=0|1                     JIT: build the CUDA kernels or not (default: when usable)
 """
@@ -80,29 +82,59 @@ def _jit_build() -> ModuleType:
         )
 
 
+_MODES = ("auto", "compiled", "cupy", "jit", "torch")
+
+
+def _gpu_visible() -> bool:
+    return torch.version.cuda is not None and torch.cuda.is_available()
+
+
+def _with_module(backend: str, module: ModuleType | None, reason: str, cuda_tier=None) -> dict:
+    """A loader state: which implementation serves CPU and CUDA tensors (name, object), and why."""
+    cpu = ("jit" if backend == "jit" else "compiled", module) if module is not None else ("torch", None)
+    if cuda_tier is not None:
+        cuda = ("cupy", cuda_tier)
+    elif module is not None and module.has_cuda():
+        cuda = cpu
+    else:
+        cuda = ("torch", None)
+    return {"backend": backend, "module": module, "reason": reason, "cpu": cpu, "cuda": cuda}
+
+
 def _load() -> dict:
     mode = os.environ.get("FASTPAR_EXT", "auto")
-    if mode not in ("auto", "compiled", "jit", "torch"):
-        warnings.warn(f"FASTPAR_EXT={mode!r} is not one of auto|compiled|jit|torch; using auto", stacklevel=3)
+    if mode not in _MODES:
+        warnings.warn(f"FASTPAR_EXT={mode!r} is not one of {'|'.join(_MODES)}; using auto", stacklevel=3)
         mode = "auto"
     if mode == "torch":
-        return {"backend": "torch", "module": None, "reason": "FASTPAR_EXT=torch selects the pure-torch ops"}
+        return _with_module("torch", None, "FASTPAR_EXT=torch selects the pure-torch ops")
 
     reasons = []
-    if mode in ("auto", "compiled"):
+    module = None
+    if mode in ("auto", "compiled", "cupy"):
         try:
             module = importlib.import_module("fastpar._C")
-            return {"backend": "compiled", "module": module, "reason": f"prebuilt {Path(module.__file__).name}"}
+            prebuilt = f"prebuilt {Path(module.__file__).name}"
         except ImportError as exc:
             reasons.append(f"no prebuilt fastpar._C ({exc})")
+    if module is not None and (mode == "compiled" or (mode == "auto" and (module.has_cuda() or not _gpu_visible()))):
+        return _with_module("compiled", module, prebuilt)
+    if mode == "cupy" or (mode == "auto" and _gpu_visible()):
+        try:
+            from . import _cupy_tier
+
+            tier = _cupy_tier.load()
+            cpu = prebuilt if module is not None else "pure torch (no prebuilt fastpar._C)"
+            reason = f"CUDA kernels compiled by NVRTC {tier.nvrtc_version} through CuPy; CPU ops: {cpu}"
+            return _with_module("cupy", module, reason, cuda_tier=tier)
+        except Exception as exc:  # missing CuPy, NVRTC or headers show up as several exception types
+            reasons.append(f"CuPy/NVRTC tier unavailable ({exc})")
+    if module is not None and mode == "auto":
+        return _with_module("compiled", module, f"{prebuilt}; CUDA tensors use pure torch: {'; '.join(reasons)}")
     if mode in ("auto", "jit"):
         try:
             module = _jit_build()
-            return {
-                "backend": "jit",
-                "module": module,
-                "reason": f"built on first use into {Path(module.__file__).parent}",
-            }
+            return _with_module("jit", module, f"built on first use into {Path(module.__file__).parent}")
         except Exception as exc:  # a missing compiler shows up as many exception types
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             reasons.append(f"JIT build failed ({first_line})")
@@ -113,7 +145,7 @@ def _load() -> dict:
         RuntimeWarning,
         stacklevel=3,
     )
-    return {"backend": "torch", "module": None, "reason": reason}
+    return _with_module("torch", None, reason)
 
 
 def _get() -> dict:
@@ -126,19 +158,58 @@ def _get() -> dict:
 
 
 def extension() -> ModuleType | None:
-    """The loaded ``_C`` module, or None when the pure-torch fallback is live."""
+    """The loaded ``_C`` module (prebuilt or JIT), or None when there is none."""
     return _get()["module"]
 
 
-def ext_status() -> dict:
-    """Which implementation of ``fastpar.ops`` is live: ``{"backend": "compiled"|"jit"|"torch", "reason": ...}``.
+def kernels_for(device: torch.device) -> tuple[str, object | None]:
+    """(name, implementation) serving tensors on ``device``: ``"compiled"``, ``"jit"`` or ``"cupy"`` with an object
+    that has ``pack``/``unpack``/``norm_and_finite``, or ``("torch", None)`` for the pure-torch ops."""
+    state = _get()
+    if device.type == "cpu":
+        return state["cpu"]
+    if device.type != "cuda":
+        return "torch", None
+    name, impl = state["cuda"]
+    if name == "cupy":
+        try:
+            impl.prepare(device)  # compiles or loads the kernels once per device
+        except Exception as exc:
+            _cuda_tier_failed(device, exc)
+            return "torch", None
+    return name, impl
 
-    Also reports whether the live extension contains CUDA kernels (``"cuda"``).
+
+def _cuda_tier_failed(device: torch.device, exc: Exception) -> None:
+    """The CuPy tier could not load its kernels on ``device``: CUDA tensors take the torch path, said once."""
+    with _lock:
+        if _state is None or _state["cuda"][0] != "cupy":
+            return
+        _state["cuda"] = ("torch", None)
+        _state["backend"] = _state["cpu"][0]
+        _state["reason"] += f"; the CuPy tier failed on {device}, CUDA tensors use pure torch: {exc}"
+    warnings.warn(
+        f"fastpar: the CuPy kernel tier failed on {device}, CUDA tensors use pure-torch ops (slower): {exc}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def ext_status() -> dict:
+    """Which implementation of ``fastpar.ops`` is live: ``{"backend": "compiled"|"cupy"|"jit"|"torch", "reason": ...}``.
+
+    Also: whether CUDA kernels are live (``"cuda"``: compiled in, or the CuPy tier), what serves CPU tensors
+    (``"cpu"``) and, with the CuPy tier, the NVRTC version that compiles its kernels (``"nvrtc"``, else None).
     """
     state = _get()
-    module = state["module"]
-    has_cuda = bool(module is not None and getattr(module, "has_cuda", lambda: False)())
-    return {"backend": state["backend"], "reason": state["reason"], "cuda": has_cuda}
+    cuda_name, cuda_impl = state["cuda"]
+    return {
+        "backend": state["backend"],
+        "reason": state["reason"],
+        "cuda": cuda_name != "torch",
+        "cpu": state["cpu"][0],
+        "nvrtc": cuda_impl.nvrtc_version if cuda_name == "cupy" else None,
+    }
 
 
 def _reset_for_tests() -> None:

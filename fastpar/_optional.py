@@ -18,6 +18,8 @@ _EXTRAS = {
     "matplotlib": ("bench", "matplotlib"),
     "PIL": ("dev", "Pillow"),
     "pytest_benchmark": ("bench", "pytest-benchmark"),
+    "cupy": ("cupy", "CuPy"),
+    "cupy_backends.cuda.libs.nvrtc": ("cupy", "CuPy's NVRTC binding"),
 }
 
 

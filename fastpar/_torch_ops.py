@@ -78,7 +78,8 @@ def unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor], scale: float = 1
         offset += n
 
 
-def norm_and_finite(flats: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _check_flats(flats: Sequence[torch.Tensor]) -> torch.device:
+    """Validates the buffers of a norm; returns their device (CPU when there are none)."""
     device = torch.device("cpu")
     for i, f in enumerate(flats):
         _check_tensor("norm_and_finite", f"flats[{i}]", f)
@@ -89,6 +90,11 @@ def norm_and_finite(flats: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.
             raise ValueError(
                 f"norm_and_finite: flats[{i}] is on {f.device} but flats[0] is on {device}; move them to one device"
             )
+    return device
+
+
+def norm_and_finite(flats: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    device = _check_flats(flats)
     sq = torch.zeros((), dtype=torch.float64, device=device)
     finite = torch.ones((), dtype=torch.bool, device=device)
     for f in flats:

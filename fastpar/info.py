@@ -59,6 +59,13 @@ def collect() -> dict:
     }
 
 
+def _kernels_line(ext: dict) -> str:
+    """``compiled + CUDA (...)``, ``cupy, NVRTC 13.0 (...)``, ``torch (...)``: the backend first, then why."""
+    if ext["nvrtc"]:
+        return f"{ext['backend']}, NVRTC {ext['nvrtc']} ({ext['reason']})"
+    return f"{ext['backend']}{' + CUDA' if ext['cuda'] else ''} ({ext['reason']})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastpar info", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
@@ -78,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         ("gloo", "available" if facts["gloo"] else "not available"),
         ("DALI", facts["dali"] or "not installed (pip install 'fastpar[dali]')"),
         ("NVML (nvidia-ml-py)", facts["nvidia_ml_py"] or "not installed (pip install 'fastpar[nvml]')"),
-        ("kernels", f"{ext['backend']}{' + CUDA' if ext['cuda'] else ''} ({ext['reason']})"),
+        ("kernels", _kernels_line(ext)),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -1,8 +1,9 @@
 """Fused bucket kernels: the hot path of gradient bucketing.
 
 Each op runs as one pass over many tensors (one CUDA launch per call; ``at::parallel_for`` on CPU)
-through the compiled extension when it is live (``fastpar.ext_status()``), else through the
-pure-torch reference in ``fastpar._torch_ops`` with identical results.
+through the kernels that are live for the tensors' device (``fastpar.ext_status()``): the compiled
+extension, the CuPy/NVRTC tier on CUDA, else the pure-torch reference in ``fastpar._torch_ops``, all
+with identical results. :func:`last_implementation` says which one served the last call on a device.
 
 Numerics (both paths): elements are converted to fp32, scaled in fp32 and rounded once to the
 destination dtype, so ``scale=1/world_size`` averaging gives the same bits everywhere.
@@ -16,9 +17,10 @@ import torch
 
 from . import _ext, _torch_ops
 
-__all__ = ["pack", "unpack", "norm_and_finite", "SUPPORTED_DTYPES"]
+__all__ = ["pack", "unpack", "norm_and_finite", "last_implementation", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = _torch_ops.SUPPORTED_DTYPES
+_last_served: dict[torch.device, str] = {}
 
 
 def _as_sequence(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
@@ -28,15 +30,22 @@ def _as_sequence(tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
 
 
 def _impl(device: torch.device):
-    """The compiled module when it can run on ``device``, else None (pure torch)."""
-    ext = _ext.extension()
-    if ext is None:
-        return None
-    if device.type == "cuda" and not ext.has_cuda():
-        return None  # CPU-only build: CUDA tensors take the torch path rather than failing
-    if device.type not in ("cpu", "cuda"):
-        return None
-    return ext
+    """The kernels for ``device`` (None: pure torch), recording which implementation serves the call."""
+    name, impl = _ext.kernels_for(device)
+    _last_served[device] = name
+    return impl
+
+
+def last_implementation(device: str | torch.device) -> str | None:
+    """Which implementation served the most recent call of a ``fastpar.ops`` function on ``device``:
+    ``"compiled"``, ``"jit"``, ``"cupy"`` or ``"torch"`` (the pure-torch reference); None before any call.
+
+    A fallback is silent by design (results are identical), so this is how a test or a user proves that a
+    kernel tier ran: ``ops.pack(...); assert ops.last_implementation("cuda") == "cupy"``."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _last_served.get(device)
 
 
 def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

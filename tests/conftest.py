@@ -29,3 +29,15 @@ def no_process_group():
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """Lets a test re-run fastpar's extension loader under its own conditions (returns ``monkeypatch`` to set
+    them); the real state is restored afterwards."""
+    from fastpar import _ext
+
+    _ext._reset_for_tests()
+    yield monkeypatch
+    monkeypatch.undo()
+    _ext._reset_for_tests()

@@ -14,26 +14,21 @@ import fastpar
 from fastpar import _ext, ops
 
 
-@pytest.fixture
-def fresh_loader(monkeypatch):
-    """Lets a test re-run the loader under its own conditions; the real state is restored afterwards."""
-    _ext._reset_for_tests()
-    yield monkeypatch
-    monkeypatch.undo()
-    _ext._reset_for_tests()
-
-
 def test_ext_status_structure():
     status = fastpar.ext_status()
-    assert set(status) == {"backend", "reason", "cuda"}
-    assert status["backend"] in ("compiled", "jit", "torch")
+    assert set(status) == {"backend", "reason", "cuda", "cpu", "nvrtc"}
+    assert status["backend"] in ("compiled", "cupy", "jit", "torch")
+    assert status["cpu"] in ("compiled", "jit", "torch")
     assert isinstance(status["reason"], str) and status["reason"]
     assert isinstance(status["cuda"], bool)
+    assert (status["nvrtc"] is not None) == (status["backend"] == "cupy")
     module = _ext.extension()
-    assert (module is None) == (status["backend"] == "torch")
+    assert (module is None) == (status["cpu"] == "torch")
     if module is not None:
-        assert status["cuda"] == module.has_cuda()
+        if status["backend"] != "cupy":
+            assert status["cuda"] == module.has_cuda()
         assert ops._impl(torch.device("cpu")) is module
+        assert ops.last_implementation("cpu") == status["cpu"]
 
 
 @pytest.mark.skipif("FASTPAR_EXPECT_EXT" not in os.environ, reason="set FASTPAR_EXPECT_EXT=compiled|jit to require it")

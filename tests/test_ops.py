@@ -1,5 +1,7 @@
-"""fastpar.ops against an independent expectation, on every backend: the compiled CPU kernels, the pure-torch
-fallback (extension forced off) and CUDA (skipped without a GPU). pack/unpack must match bit for bit."""
+"""fastpar.ops against an independent expectation, on every implementation: the compiled CPU kernels, the pure-torch
+fallback, the CuPy tier's host logic on CPU (an emulated GPU, tests/kernel_emulator.py), and on a GPU (skipped without
+one) the compiled CUDA kernels and the CuPy/NVRTC tier. pack/unpack must match bit for bit. Each test also proves
+which implementation ran (``fastpar.ops.last_implementation``), so a silent fallback to torch cannot pass."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import re
 
 import pytest
 import torch
+from kernel_emulator import emulated_tier
 
 from fastpar import _ext, ops
 
@@ -27,20 +30,47 @@ THREADS_SPLIT = [70_001, 3, 140_000]  # pieces straddle the CPU kernel's per-thr
 SENTINEL = 7.0
 
 
+def _served_by(name: str, impl):
+    """A stand-in for _ext.kernels_for that routes CPU tensors to ``impl``."""
+    return lambda device: (name, impl) if device.type == "cpu" else ("torch", None)
+
+
 @pytest.fixture(
-    params=["compiled", "fallback", pytest.param("cuda", marks=pytest.mark.cuda)],
+    params=[
+        "compiled",
+        "fallback",
+        "cupy-emulated",
+        pytest.param("cuda", marks=pytest.mark.cuda),
+        pytest.param("cupy", marks=pytest.mark.cuda),
+    ],
 )
-def device(request, monkeypatch) -> str:
-    """Device to run on; "fallback" forces the pure-torch path by hiding the extension."""
+def device(request, monkeypatch):
+    """Device to run on. After the test, asserts that every op on it was served by the implementation under test."""
     if request.param == "fallback":
-        monkeypatch.setattr(_ext, "extension", lambda: None)
-        return "cpu"
-    if request.param == "compiled":
-        if _ext.extension() is None:
+        monkeypatch.setattr(_ext, "kernels_for", _served_by("torch", None))
+        where, expected = "cpu", "torch"
+    elif request.param == "cupy-emulated":
+        monkeypatch.setattr(_ext, "kernels_for", _served_by("cupy", emulated_tier()[0]))
+        where, expected = "cpu", "cupy"
+    elif request.param == "compiled":
+        where, expected = "cpu", _ext.kernels_for(torch.device("cpu"))[0]
+        if expected == "torch":
             pytest.skip(f"fastpar._C is not built: {_ext.ext_status()['reason']}")
-        assert ops._impl(torch.device("cpu")) is not None
-        return "cpu"
-    return "cuda"
+    elif request.param == "cuda":
+        where, expected = "cuda", _ext.kernels_for(torch.device("cuda", torch.cuda.current_device()))[0]
+        if expected not in ("compiled", "jit"):
+            pytest.skip(f"the live extension has no CUDA kernels (CUDA tensors: {expected}): {_ext.ext_status()}")
+    else:
+        pytest.importorskip("cupy", reason="the CuPy tier needs CuPy: pip install 'fastpar[cupy]'")
+        monkeypatch.setenv("FASTPAR_EXT", "cupy")
+        _ext._reset_for_tests()
+        request.addfinalizer(_ext._reset_for_tests)  # the next test loads afresh, without FASTPAR_EXT=cupy
+        where, expected = "cuda", _ext.kernels_for(torch.device("cuda", torch.cuda.current_device()))[0]
+        assert expected == "cupy", f"FASTPAR_EXT=cupy did not load the CuPy tier: {_ext.ext_status()['reason']}"
+    ops._last_served.clear()
+    yield where
+    served = ops.last_implementation(where)
+    assert served in (expected, None), f"{request.param}: the last op on {where} was served by {served}"
 
 
 def make(sizes, dtype, device, seed=0):
@@ -255,9 +285,9 @@ def test_errors_name_the_problem_and_the_fix(device):
             call()
 
 
-def test_extension_entry_points_directly(device):
-    if device != "cpu" or _ext.extension() is None:
-        pytest.skip("needs the compiled extension")
+def test_extension_entry_points_directly(device, request):
+    if request.node.callspec.params["device"] != "compiled":
+        pytest.skip("calls the compiled extension itself")
     ext = _ext.extension()
     norm, finite = ext.norm_and_finite([])
     assert norm.item() == 0.0 and finite.item()

@@ -1,5 +1,8 @@
 // CUDA bucket kernels: scaled copy (pack/unpack) and norm_and_finite, each one multi-tensor-apply launch.
-// Build with --fmad=false: a fused multiply-add would round differently from the CPU reference.
+// One device source, two compilers: nvcc builds it into fastpar._C (with the host launchers at the end), and NVRTC
+// compiles the same file at run time for the CuPy tier (fastpar/_nvrtc.py), which sees no host code and finds the
+// kernels by their extern "C" names. Both build with --fmad=false: a fused multiply-add would round differently
+// from the CPU reference.
 #include "dtype_dispatch.cuh"
 #include "multi_tensor_apply.cuh"
 
@@ -113,8 +116,7 @@ struct SumSquaresOp {
 };
 
 // Squares of finite values cannot overflow a double sum, so the total is finite iff every element is.
-__global__ void __launch_bounds__(kBlockThreads)
-    finish_norm_kernel(const double* partials, int64_t count, float* norm, bool* all_finite) {
+__device__ void finish_norm(const double* partials, int64_t count, float* norm, bool* all_finite) {
   double sum = 0.0;
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) sum += partials[i];
   sum = block_sum(sum);
@@ -125,18 +127,57 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 }  // namespace
+}  // namespace fastpar::cuda
+
+// Kernel entry points, launched with kBlockThreads threads per block: explicit instantiations of the templates above
+// under unmangled names, so an NVRTC module is looked up by name. The nvcc launchers below launch the same kernels.
+extern "C" __global__ void __launch_bounds__(fastpar::cuda::kBlockThreads)
+    fastpar_scaled_copy(const fastpar::cuda::CopyEntry* entries, int64_t num_entries, int64_t total_chunks,
+                        float scale, bool accumulate) {
+  fastpar::cuda::multi_tensor_apply(entries, num_entries, total_chunks, fastpar::cuda::ScaledCopyOp{scale, accumulate});
+}
+
+extern "C" __global__ void __launch_bounds__(fastpar::cuda::kBlockThreads)
+    fastpar_sum_squares(const fastpar::cuda::ReduceEntry* entries, int64_t num_entries, int64_t total_chunks,
+                        double* partials) {
+  fastpar::cuda::multi_tensor_apply(entries, num_entries, total_chunks, fastpar::cuda::SumSquaresOp{partials});
+}
+
+// One block: a fixed-order sum of the per-chunk partials (deterministic).
+extern "C" __global__ void __launch_bounds__(fastpar::cuda::kBlockThreads)
+    fastpar_finish_norm(const double* partials, int64_t count, float* norm, bool* all_finite) {
+  fastpar::cuda::finish_norm(partials, count, norm, all_finite);
+}
+
+#ifndef __CUDACC_RTC__
+namespace fastpar::cuda {
+namespace {
+
+unsigned grid_blocks(int64_t total_chunks) {
+  return static_cast<unsigned>(total_chunks < kMaxBlocks ? total_chunks : kMaxBlocks);
+}
+
+}  // namespace
 
 cudaError_t launch_scaled_copy(const CopyEntry* entries, int64_t num_entries, int64_t total_chunks, float scale,
                                bool accumulate, cudaStream_t stream) {
-  return multi_tensor_apply(entries, num_entries, total_chunks, ScaledCopyOp{scale, accumulate}, stream);
+  if (total_chunks == 0) return cudaSuccess;
+  fastpar_scaled_copy<<<grid_blocks(total_chunks), kBlockThreads, 0, stream>>>(entries, num_entries, total_chunks,
+                                                                                 scale, accumulate);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_norm_and_finite(const ReduceEntry* entries, int64_t num_entries, int64_t total_chunks,
                                    double* partials, float* norm, bool* all_finite, cudaStream_t stream) {
-  const cudaError_t err = multi_tensor_apply(entries, num_entries, total_chunks, SumSquaresOp{partials}, stream);
-  if (err != cudaSuccess) return err;
-  finish_norm_kernel<<<1, kBlockThreads, 0, stream>>>(partials, total_chunks, norm, all_finite);
+  if (total_chunks > 0) {
+    fastpar_sum_squares<<<grid_blocks(total_chunks), kBlockThreads, 0, stream>>>(entries, num_entries, total_chunks,
+                                                                                 partials);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  fastpar_finish_norm<<<1, kBlockThreads, 0, stream>>>(partials, total_chunks, norm, all_finite);
   return cudaGetLastError();
 }
 
 }  // namespace fastpar::cuda
+#endif  // __CUDACC_RTC__

@@ -1,19 +1,12 @@
 // Multi-tensor apply (after NVIDIA apex): one launch covers every chunk of every tensor. Tensor metadata sits in
 // a device table of entries with a running chunk count (`first_chunk`); each block finds its entry by binary
 // search, so 10,000 tiny tensors are still one launch and the table has no size limit.
+// Device code only: the kernels in bucket_kernels.cu call it, and nvcc or NVRTC compiles them.
 #pragma once
-
-#include <cuda_runtime_api.h>
-
-#include <algorithm>
-#include <cstdint>
 
 #include "bucket_kernels.h"
 
 namespace fastpar::cuda {
-
-constexpr int kBlockThreads = 256;
-constexpr int64_t kMaxBlocks = 65535;  // grid-stride beyond this; plenty to fill any GPU
 
 // N elements of T in one aligned access: 16 bytes for fp32 x4 or fp16 x8.
 template <typename T, int N>
@@ -41,10 +34,11 @@ __device__ int64_t find_entry(const Entry* entries, int64_t num_entries, int64_t
   return lo;
 }
 
-// Calls op(entry, chunk_index, begin, count) once per chunk, from all threads of the block that owns it.
+// Body of a multi-tensor kernel launched with kBlockThreads threads: calls op(entry, chunk_index, begin, count) once
+// per chunk, from all threads of the block that owns it.
 template <typename Entry, typename Op>
-__global__ void __launch_bounds__(kBlockThreads)
-    multi_tensor_apply_kernel(const Entry* entries, int64_t num_entries, int64_t total_chunks, Op op) {
+__device__ __forceinline__ void multi_tensor_apply(const Entry* entries, int64_t num_entries, int64_t total_chunks,
+                                                   const Op& op) {
   __shared__ int64_t entry_index;
   for (int64_t chunk = blockIdx.x; chunk < total_chunks; chunk += gridDim.x) {
     if (threadIdx.x == 0) entry_index = find_entry(entries, num_entries, chunk);
@@ -54,15 +48,6 @@ __global__ void __launch_bounds__(kBlockThreads)
     op(entry, chunk, begin, min(kChunkElems, entry.numel - begin));
     __syncthreads();  // entry_index is rewritten for the next chunk
   }
-}
-
-template <typename Entry, typename Op>
-cudaError_t multi_tensor_apply(const Entry* entries, int64_t num_entries, int64_t total_chunks, Op op,
-                               cudaStream_t stream) {
-  if (total_chunks == 0) return cudaSuccess;
-  const auto blocks = static_cast<unsigned>(std::min(total_chunks, kMaxBlocks));
-  multi_tensor_apply_kernel<<<blocks, kBlockThreads, 0, stream>>>(entries, num_entries, total_chunks, op);
-  return cudaGetLastError();
 }
 
 }  // namespace fastpar::cuda

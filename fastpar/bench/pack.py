@@ -8,7 +8,10 @@ interleaved in rounds:
           a Python loop of copy_
   unpack  memcpy (the reverse copy), fastpar.unpack, torch._foreach_copy_, a Python loop of copy_
 
-Bandwidth counts bytes read + bytes written, so casts (``--out-dtype``) compare fairly with memcpy.
+On a GPU (``--device cuda``, the default when one is visible) every CUDA kernel tier that can run there gets its
+own rows next to the live ``fastpar.pack``: ``fastpar.pack[compiled]`` (the nvcc build) and ``fastpar.pack[cupy]``
+(the same kernels compiled by NVRTC, launched through CuPy). Bandwidth counts bytes read + bytes written, so casts
+(``--out-dtype``) compare fairly with memcpy.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import ops
+from .. import _ext, ops
 from .._ext import ext_status
 from .harness import (
     FLOAT_DTYPES,
@@ -59,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("pack")
     group.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"COUNTxNUMEL list (default {DEFAULT_SHAPES})")
     group.add_argument("--out-dtype", help="dtype of the flat buffer (default: --dtype); a cast when different")
+    group.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto: the GPU when one is visible, else CPU"
+    )
 
 
 def shape_name(count: int, numel: int) -> str:
@@ -68,11 +74,36 @@ def shape_name(count: int, numel: int) -> str:
     return f"{count}x{numel}"
 
 
-def pack_variants(tensors: list[torch.Tensor], out: torch.Tensor) -> tuple[dict[str, Callable], dict[str, Callable]]:
-    """The pack and unpack implementations for one shape, as zero-argument calls."""
+def kernel_tiers(device: torch.device) -> tuple[dict[str, object], list[str]]:
+    """On a GPU, every CUDA kernel tier that runs there by name (``compiled``, ``cupy``), and why any other is
+    absent; nothing on CPU (one tier there: the live ``fastpar.pack``)."""
+    tiers, notes = {}, []
+    if device.type != "cuda":
+        return tiers, notes
+    module = _ext.extension()
+    if module is not None and module.has_cuda():
+        tiers["compiled"] = module
+    else:
+        notes.append("fastpar._C has no CUDA kernels here (not built with nvcc)")
+    try:
+        from .._cupy_tier import load
+
+        tier = load()
+        tier.prepare(device)  # compile (or load from the disk cache) before timing
+        tiers["cupy"] = tier
+    except Exception as exc:  # missing CuPy/NVRTC/headers or a compile error: report, keep benchmarking
+        notes.append(f"CuPy tier unavailable: {exc}")
+    return tiers, notes
+
+
+def pack_variants(
+    tensors: list[torch.Tensor], out: torch.Tensor, tiers: dict[str, object] | None = None
+) -> tuple[dict[str, Callable], dict[str, Callable]]:
+    """The pack and unpack implementations for one shape, as zero-argument calls; ``tiers`` adds a
+    ``fastpar.pack[name]``/``fastpar.unpack[name]`` pair per kernel tier (see :func:`kernel_tiers`)."""
     flatten = torch._utils._flatten_dense_tensors
     numel = sum(t.numel() for t in tensors)
-    flat_in = torch.randn(numel).to(tensors[0].dtype)  # memcpy's source: same elements, one tensor
+    flat_in = torch.randn(numel).to(tensors[0].dtype).to(out.device)  # memcpy's source: same elements, one tensor
     out_views = list(out.split([t.numel() for t in tensors]))
     flat_tensors = [t.view(-1) for t in tensors]
     same_dtype = out.dtype == tensors[0].dtype
@@ -90,23 +121,30 @@ def pack_variants(tensors: list[torch.Tensor], out: torch.Tensor) -> tuple[dict[
         "_foreach_copy_": lambda: torch._foreach_copy_(flat_tensors, out_views),
         "loop copy_": lambda: [t.copy_(o) for o, t in zip(out_views, flat_tensors, strict=True)],
     }
+    for name, tier in (tiers or {}).items():
+        pack[f"fastpar.pack[{name}]"] = lambda tier=tier: tier.pack(tensors, out, 1.0)
+        unpack[f"fastpar.unpack[{name}]"] = lambda tier=tier: tier.unpack(out, tensors, 1.0, False)
     return pack, unpack
 
 
-def _check(tensors: list[torch.Tensor], out: torch.Tensor, shape: str) -> list[str]:
-    """fastpar.pack must equal torch.cat; fastpar.unpack must restore every tensor (cast back)."""
+def _check(tensors: list[torch.Tensor], out: torch.Tensor, shape: str, tiers: dict[str, object]) -> list[str]:
+    """fastpar.pack (and each tier's) must equal torch.cat; fastpar.unpack must restore every tensor (cast back)."""
     problems = []
-    ops.pack(tensors, out)
-    reference = torch.cat([t.view(-1) for t in tensors]).to(out.dtype)
-    if not torch.equal(out, reference):
-        problems.append(f"{shape}: fastpar.pack differs from torch.cat in {int((out != reference).sum())} elements")
-    targets = [torch.full_like(t, float("nan")) for t in tensors]
-    ops.unpack(out, targets)
-    bad = sum(
-        int((t != o.to(t.dtype)).sum()) for t, o in zip(targets, out.split([t.numel() for t in tensors]), strict=True)
-    )
-    if bad:
-        problems.append(f"{shape}: fastpar.unpack wrote {bad} wrong elements")
+    for name, impl in {"": ops, **{f"[{k}]": v for k, v in tiers.items()}}.items():
+        out.fill_(float("nan"))
+        impl.pack(tensors, out, 1.0)
+        reference = torch.cat([t.view(-1) for t in tensors]).to(out.dtype)
+        if not torch.equal(out, reference):
+            wrong = int((out != reference).sum())
+            problems.append(f"{shape}: fastpar.pack{name} differs from torch.cat in {wrong} elements")
+        targets = [torch.full_like(t, float("nan")) for t in tensors]
+        impl.unpack(out, targets, 1.0, False)
+        bad = sum(
+            int((t != o.to(t.dtype)).sum())
+            for t, o in zip(targets, out.split([t.numel() for t in tensors]), strict=True)
+        )
+        if bad:
+            problems.append(f"{shape}: fastpar.unpack{name} wrote {bad} wrong elements")
     return problems
 
 
@@ -115,32 +153,42 @@ def run(args: argparse.Namespace) -> BenchReport:
     out_dtype = parse_dtype(args.out_dtype, DTYPE_CHOICES, user="pack --out-dtype") if args.out_dtype else in_dtype
     shapes = parse_shapes(args.shapes)
     plan = Plan(args.warmup, args.rounds, args.iters)
+    device = _device(args.device)
+    tiers, notes = kernel_tiers(device)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
         measured, problems = [], []
         for count, numel in shapes:
             generator = torch.Generator().manual_seed(count * 7919 + numel)
-            tensors = [torch.randn(numel, generator=generator).to(in_dtype) for _ in range(count)]
-            out = torch.empty(count * numel, dtype=out_dtype)
-            problems += _check(tensors, out, shape_name(count, numel))
+            tensors = [torch.randn(numel, generator=generator).to(in_dtype).to(device) for _ in range(count)]
+            out = torch.empty(count * numel, dtype=out_dtype, device=device)
+            problems += _check(tensors, out, shape_name(count, numel), tiers)
             if problems:
                 continue  # keep checking the other shapes, time nothing
-            pack, unpack = pack_variants(tensors, out)
+            pack, unpack = pack_variants(tensors, out, tiers)
             both = {("pack", k): v for k, v in pack.items()} | {("unpack", k): v for k, v in unpack.items()}
-            times = interleaved_rounds(both, plan, torch.device("cpu"))
+            times = interleaved_rounds(both, plan, device)
             measured.append(((count, numel), {key: median(ts) for key, ts in times.items()}))
             del tensors, out, pack, unpack, both
     finally:
         torch.set_num_threads(previous_threads)
     if problems:
         raise WrongResultError("; ".join(problems))
-    return _report(args, in_dtype, out_dtype, measured)
+    return _report(args, in_dtype, out_dtype, measured, device, notes)
 
 
-def _report(args, in_dtype, out_dtype, measured) -> BenchReport:
+def _device(choice: str) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise BenchUsageError("--device cuda, but no CUDA device is visible; use --device cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if choice == "cuda" else torch.device("cpu")
+
+
+def _report(args, in_dtype, out_dtype, measured, device, notes) -> BenchReport:
     elem_bytes = torch.empty((), dtype=in_dtype).element_size() + torch.empty((), dtype=out_dtype).element_size()
-    rows, shares, speedups = [], {}, {}
+    rows, shares, speedups, tier_shares = [], {}, {}, {}
     for (count, numel), seconds in measured:
         shape = shape_name(count, numel)
         moved = count * numel * elem_bytes
@@ -154,12 +202,16 @@ def _report(args, in_dtype, out_dtype, measured) -> BenchReport:
             key, ours = f"{direction} {shape}", seconds[(direction, impl)]
             shares[key] = seconds[(direction, "memcpy")] / ours
             speedups[key] = seconds[(direction, PEERS[direction])] / ours
+        for (direction, impl), t in seconds.items():
+            if impl.endswith("]"):  # a kernel tier's own rows, e.g. fastpar.pack[cupy]
+                tier_shares[f"{impl.removeprefix('fastpar.')} {shape}"] = seconds[(direction, "memcpy")] / t
     worst = min(shares.values())
     status = ext_status()
     footer = [
         f"fastpar {key}: {share:.0%} of memcpy, {speedups[key]:.2f}x the speed of {PEERS[key.split()[0]]}"
         for key, share in shares.items()
     ]
+    footer += [f"tier {key}: {share:.0%} of memcpy" for key, share in tier_shares.items()] + notes
     footer.append(goal_line(f">= {GOAL:.0%} of memcpy at every shape", f"worst {worst:.0%}", worst >= GOAL))
     return BenchReport(
         benchmark="pack",
@@ -167,7 +219,7 @@ def _report(args, in_dtype, out_dtype, measured) -> BenchReport:
         columns=[
             Column("shape", "shape", 11),
             Column("op", "op", 7),
-            Column("impl", "impl", 15),
+            Column("impl", "impl", 24),
             Column("time_us", "time(us)", 11, ".1f", "us"),
             Column("gbs", "GB/s", 8, ".2f", "GB/s"),
             Column("of_memcpy", "of_memcpy", 10, ".1%"),
@@ -175,6 +227,7 @@ def _report(args, in_dtype, out_dtype, measured) -> BenchReport:
         rows=rows,
         header={
             "ext backend": f"{status['backend']} ({status['reason']})",
+            "device": str(device),
             "dtype": f"{dtype_name(in_dtype)} -> {dtype_name(out_dtype)}",
             "threads": str(args.threads),
             "timing": f"median of {args.rounds} interleaved rounds x {args.iters} iters after {args.warmup} warm-up",
@@ -188,6 +241,7 @@ def _report(args, in_dtype, out_dtype, measured) -> BenchReport:
             "goal": GOAL,
             "goal_met": worst >= GOAL,
             "ext_backend": status["backend"],
+            "tier_of_memcpy": tier_shares,
         },  # fmt: skip
         plot=PlotSpec("bar", "impl", "of_memcpy", series="shape", ylabel="bandwidth as a share of memcpy"),
     )

@@ -33,10 +33,13 @@ from .sharding import LAST_BATCH_POLICIES, ShardSpec
 
 
 def _as_array(a: Any, what: str) -> torch.Tensor | np.ndarray:
-    """Tensors stay tensors; anything else becomes a numpy array, kept as is (views, memmaps, negative
-    strides and byte orders included) and indexed one batch at a time, so nothing is copied up front."""
+    """Tensors stay tensors; CuPy arrays (any DLPack producer but numpy) become tensors sharing their memory, on
+    their device; anything else becomes a numpy array, kept as is (views, memmaps, negative strides and byte orders
+    included) and indexed one batch at a time, so nothing is copied up front."""
     if isinstance(a, torch.Tensor):
         return a
+    if hasattr(a, "__dlpack__") and not isinstance(a, np.ndarray):
+        return torch.from_dlpack(a)  # zero-copy; CuPy orders its stream with torch's current one
     array = np.asarray(a)
     try:  # a dtype torch cannot hold (object, strings) fails here, not in the middle of an epoch
         _take(array, np.zeros(min(1, len(array)), dtype=np.int64))
@@ -87,13 +90,14 @@ def array_loader(
     last_batch: str = "partial",
     device: str | torch.device | None = None,
 ) -> ArrayLoader:
-    """A loader over numpy arrays or tensors (first dimension = samples), sharded like ``image_loader``.
+    """A loader over numpy arrays, tensors or CuPy arrays (first dimension = samples), sharded like ``image_loader``.
 
     Yields ``(x_batch, y_batch)`` torch tensors (``x_batch`` alone when ``y`` is None) on ``device``
     (default: this rank's GPU if any, else CPU). No copies of the data are made up front: each batch
     is gathered from ``x``/``y`` when it is needed (numpy inputs with numpy indexing, so any strides,
     byte order or memmap work). A numpy ``uint16`` input gives ``torch.uint16`` batches, as
-    ``torch.from_numpy`` does.
+    ``torch.from_numpy`` does. CuPy arrays (and other DLPack producers) are shared with torch through DLPack,
+    without a copy, and batches are gathered on their GPU.
     """
     x_t = _as_array(x, "x")
     y_t = None if y is None else _as_array(y, "y")
