@@ -18,6 +18,7 @@ _EXTRAS = {
     "matplotlib": ("bench", "matplotlib"),
     "PIL": ("dev", "Pillow"),
     "pytest_benchmark": ("bench", "pytest-benchmark"),
+    "submitit": ("jobs", "submitit"),
 }
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastpar._spawn import spawn
+from fastpar.launcher import spawn
 
 CASES = {
     "mlp": dict(kind="mlp"),

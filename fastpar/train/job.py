@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..launcher import COLLECTIVE_TIMEOUT_S
 from .environment import Plan
 from .options import TrainingOptions
 
@@ -61,7 +62,7 @@ class Job:
     train_data: Any
     options: TrainingOptions
     plan: Plan
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
 def build_model(model: Any) -> torch.nn.Module:

@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..jobs.channel import publish
+
 
 def format_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
@@ -84,6 +86,7 @@ class MetricsLog:
         self.records.append(record)
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
+        publish(record)  # inside a fastpar job: what future.progress() and a sweep's live table read
 
     def close(self) -> None:
         self._fh.close()
