@@ -45,6 +45,7 @@ BENCHMARKS = {
     "pack": "fastpar.bench.pack",
     "ddp": "fastpar.bench.ddp_step",
     "data": "fastpar.bench.data",
+    "sweep": "fastpar.bench.sweep",
     "all": "fastpar.bench.report",
 }
 # Defaults of the shared flags; a benchmark's DEFAULTS override them. The flags themselves default to

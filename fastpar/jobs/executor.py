@@ -7,9 +7,9 @@ the shared ones (``timeout_min``, ``gpus_per_node``, ``cpus_per_task``, ``nodes`
 ``mem_gb``, ``name``) and cluster-specific ones with their prefix (``slurm_partition``, ``slurm_account``,
 ``slurm_qos``, ``slurm_constraint``, ``slurm_setup``, ...), passed through unchanged.
 
-One change to submitit's local executor: the job's controller starts in a session of its own, so the
-job survives Ctrl-C and the closing of the terminal that submitted it, and :mod:`.proctree` can find and
-stop every process it started.
+One change to submitit's local executor: the job's controller starts in a session of its own, detached
+from the submitter's output, so the job survives Ctrl-C and the closing of the terminal that submitted
+it, and :mod:`.proctree` can find and stop every process it started.
 """
 
 from __future__ import annotations
@@ -102,25 +102,30 @@ def fill_local_gpus(params: dict[str, Any], what: str) -> None:
         params["gpus_per_node"] = local_gpus()
 
 
-class _NewSessionSubprocess(types.ModuleType):
-    """``subprocess`` as submitit's local module sees it while fastpar submits: Popen starts a new session."""
+class _ControllerSubprocess(types.ModuleType):
+    """``subprocess`` as submitit's local module sees it while fastpar submits: the controller's Popen starts
+    a new session and writes to the job's ``controller.log``, not to the submitter's stdout — a shell's
+    ``id=$(python submit.py)`` would otherwise wait for the job to close that pipe."""
 
-    Popen = functools.partial(subprocess.Popen, start_new_session=True)
+    def __init__(self, log: Any) -> None:
+        super().__init__("subprocess")
+        self.Popen = functools.partial(subprocess.Popen, start_new_session=True, stdin=subprocess.DEVNULL,
+                                       stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
 
 
-_SESSION_SUBPROCESS = _NewSessionSubprocess("subprocess")
 _SUBMIT_LOCK = threading.Lock()
 
 
 class SessionLocalExecutor(submitit.LocalExecutor):
-    """submitit's LocalExecutor whose job controllers start in sessions of their own."""
+    """submitit's LocalExecutor whose job controllers start in sessions of their own, detached from the
+    submitting process's terminal and output."""
 
     def _submit_command(self, command: str) -> Any:
-        with _SUBMIT_LOCK:  # the swap is seen only by submitit's local module, one submission at a time
-            _submitit_local.subprocess = _SESSION_SUBPROCESS
+        with _SUBMIT_LOCK, open(Path(self.folder) / "controller.log", "ab") as log:
+            _submitit_local.subprocess = _ControllerSubprocess(log)  # seen only by submitit's local module
             try:
                 return super()._submit_command(command)
             finally:
