@@ -293,3 +293,38 @@ def test_bad_input_is_refused_before_anything_is_submitted(jobs_dir, tmp_path):
     with pytest.raises(ValueError, match="cluster must be one of"):
         fastpar.submit(add, 1, 2, cluster="kubernetes")
     assert not jobs_dir.exists() or not any(jobs_dir.iterdir())
+
+
+# --- the README's examples, run as written ---------------------------------------------------------------
+def test_readme_examples_run_as_written(tmp_path):
+    """examples/jobs_sweep.py, jobs_submit.py and the shell lines of jobs_batch.py, from a fresh folder."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "fastpar").write_text(f'#!/bin/sh\nexec {sys.executable} -m fastpar "$@"\n')  # the console script
+    (bin_dir / "fastpar").chmod(0o755)
+    env = {**os.environ, "FASTPAR_JOBS_DIR": str(tmp_path / "jobs"), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    examples = REPO / "examples"
+
+    def run(command: str) -> str:
+        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    out = run(f"python {examples / 'jobs_sweep.py'}")
+    assert "best trial by val_loss" in out and (tmp_path / "runs" / "sweep" / "curves.png").is_file()
+    assert "COMPLETED" in run(f"python {examples / 'jobs_sweep.py'}")  # again: read back, nothing rerun
+    out = run(f"python {examples / 'jobs_submit.py'}")
+    assert "done: " in out and "now CANCELLED" in out
+    out = run(f'id=$(python {examples / "jobs_batch.py"}) && fastpar jobs list && fastpar jobs result "$id" --wait '
+              f'&& fastpar jobs logs "$id"')  # fmt: skip
+    assert "classifier" in out and "validation accuracy" in out
+
+
+def test_bench_sweep_refuses_bad_flags(capsys):
+    from fastpar.bench.cli import main as bench_main
+
+    assert bench_main(["sweep", "--slots", "999"]) == 2
+    assert "--slots must be between 1 and" in capsys.readouterr().err
+    assert bench_main(["sweep", "-n", "3"]) == 2
+    assert "-n must be 1" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from .._pickling import Unpicklable, dumps_naming_culprit
 from .channel import JOB_DIR_ENV
 
 
@@ -26,18 +27,12 @@ def pack_call(fn: Callable[..., Any], args: Sequence[Any], arg_names: Sequence[s
 
     if not callable(fn):
         raise TypeError(f"a job needs a callable to run, got {type(fn).__name__}")
-    try:
-        return cloudpickle.dumps((fn, tuple(args)))
-    except Exception as exc:  # find the culprit for a useful message
-        error = exc
     names = list(arg_names or [f"argument {i}" for i in range(len(args))])
-    culprit = "the call"
-    for label, value in [("the function", fn), *zip(names, args, strict=False)]:
-        try:
-            cloudpickle.dumps(value)
-        except Exception as exc:
-            culprit, error = label, exc
-            break
+    parts = [("the function", fn), *zip(names, args, strict=False)]
+    try:
+        return dumps_naming_culprit((fn, tuple(args)), parts, default="the call", dumps=cloudpickle.dumps)
+    except Unpicklable as exc:
+        culprit, error = exc.culprit, exc.error
     raise UnpicklableError(
         f"{culprit} can't be sent to the job's process ({type(error).__name__}: {error}); nothing was submitted. "
         "Jobs run in other processes (maybe other machines): pass plain data (numbers, strings, tensors, paths, "
