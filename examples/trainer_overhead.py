@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from fastpar._spawn import spawn
+from fastpar.launcher import spawn
 from fastpar.train import Trainer, TrainingOptions
 
 WIDTH, CLASSES, FEATURES = 512, 10, 256

@@ -18,8 +18,12 @@ __all__ = [
     "Trainer",
     "TrainingOptions",
     "__version__",
+    "batch",
     "ext_status",
+    "jobs",
     "ops",
+    "submit",
+    "sweep",
 ]
 
 # public name -> (module, attribute), imported when first touched (PEP 562)
@@ -29,6 +33,10 @@ _LAZY = {
     "Trainer": ("fastpar.train", "Trainer"),
     "TrainingOptions": ("fastpar.train", "TrainingOptions"),
     "ops": ("fastpar.ops", None),
+    "jobs": ("fastpar.jobs", None),
+    "sweep": ("fastpar.jobs.sweeper", "sweep"),
+    "submit": ("fastpar.jobs.submission", "submit"),
+    "batch": ("fastpar.jobs.batchjob", "batch"),
 }
 
 

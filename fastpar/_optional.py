@@ -20,6 +20,7 @@ _EXTRAS = {
     "pytest_benchmark": ("bench", "pytest-benchmark"),
     "cupy": ("cupy", "CuPy"),
     "cupy_backends.cuda.libs.nvrtc": ("cupy", "CuPy's NVRTC binding"),
+    "submitit": ("jobs", "submitit"),
 }
 
 

@@ -22,6 +22,7 @@ COMMANDS = {
     "topo": ("fastpar.topology.cli", "GPU/NVLink/PCIe/NUMA/NIC topology, best-k GPU selection, NCCL settings"),
     "bench": ("fastpar.bench.cli", "microbenchmarks: collectives, fusion, pack kernels, DDP step, data loaders"),
     "demo": ("fastpar.train.demo", "generate a small image set and train a CNN on it with the Trainer"),
+    "jobs": ("fastpar.jobs.cli", "background and batch jobs: list, status, logs, result, cancel"),
 }
 
 

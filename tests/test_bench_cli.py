@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from fastpar._spawn import free_port
 from fastpar.bench.cli import main
+from fastpar.launcher import free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -21,7 +21,7 @@ from kernel_emulator import emulated_tier
 
 import fastpar
 from fastpar import _cupy_tier, _ext, _nvrtc, ops
-from fastpar._spawn import spawn
+from fastpar.launcher import spawn
 from fastpar.info import _kernels_line
 
 needs_gpu = pytest.mark.cuda

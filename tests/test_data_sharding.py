@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fastpar._spawn import spawn
 from fastpar.data import ShardSpec, array_loader, iterable_loader, num_batches, rank_batches
 from fastpar.data.sharding import LAST_BATCH_POLICIES, sample_seeds
+from fastpar.launcher import spawn
 
 CASES = [(n, b, w) for w in (2, 3) for n in (7, 10, 23, 50) for b in (2, 3, 4) if n >= b * w]
 

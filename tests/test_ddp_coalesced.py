@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastpar._spawn import spawn
 from fastpar.ddp.buckets import assign_buckets
 from fastpar.ddp.coalesced import plan_coalesced_buckets
+from fastpar.launcher import spawn
 
 
 def _coalesced_rank(rank: int, world_size: int, cap_mb: float) -> bool:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastpar._spawn import RankError, spawn
+from fastpar.launcher import RankError, spawn
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 

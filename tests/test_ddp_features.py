@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from fastpar._spawn import spawn
+from fastpar.launcher import spawn
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 

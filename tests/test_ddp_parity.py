@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastpar._spawn import spawn
+from fastpar.launcher import spawn
 
 # name -> (model kind, DDP arguments, train() arguments)
 CASES = {

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from fastpar._spawn import RankError, spawn
+from fastpar.launcher import RankError, spawn
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 

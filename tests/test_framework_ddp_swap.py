@@ -22,7 +22,7 @@ import tempfile
 import pytest
 import torch
 
-from fastpar._spawn import RankError, spawn
+from fastpar.launcher import RankError, spawn
 
 # Cases that fail with today's fastpar, and why. The DDP reducer rewrite (issue 10) must empty this dict:
 # the xfail marks are strict, so a case that starts passing fails until its entry is removed.

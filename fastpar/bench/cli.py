@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 
 from .._optional import available
+from ..launcher import launched_by_torchrun
 from .harness import (
     DTYPES,
     BenchUsageError,
@@ -32,7 +33,6 @@ from .harness import (
     parse_dtype,
     size_sweep,
 )
-from .launch import launched_by_torchrun
 from .table import BenchReport, render_table, write_json, write_plot
 
 BENCHMARKS = {
@@ -45,6 +45,7 @@ BENCHMARKS = {
     "pack": "fastpar.bench.pack",
     "ddp": "fastpar.bench.ddp_step",
     "data": "fastpar.bench.data",
+    "sweep": "fastpar.bench.sweep",
     "all": "fastpar.bench.report",
 }
 # Defaults of the shared flags; a benchmark's DEFAULTS override them. The flags themselves default to
@@ -217,7 +218,7 @@ def _is_leader() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .._spawn import RankError
+    from ..launcher import RankError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):

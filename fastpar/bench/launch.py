@@ -1,4 +1,5 @@
-"""Run a benchmark on N ranks: spawn them locally (``--nproc N``) or join a torchrun launch.
+"""Run a benchmark on N ranks: spawn them locally (``--nproc N``) or join a torchrun launch, both
+through :mod:`fastpar.launcher`.
 
 Backend: gloo on CPU; NCCL when CUDA is available and every rank gets its own GPU. A benchmark's
 per-rank function is ``fn(rank, world_size, args) -> BenchReport | None`` (rank 0 returns the report);
@@ -8,7 +9,6 @@ so no rank is left waiting in a collective.
 
 from __future__ import annotations
 
-import datetime
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -17,16 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..launcher import join_process_group, launched_by_torchrun, set_threads, spawn
 from .harness import BenchUsageError, Plan, WrongResultError, interleaved_rounds, median
 
 
 def max_cpu_ranks() -> int:
     """More CPU ranks than this measures the scheduler, not the collective."""
     return max(8, 2 * (os.cpu_count() or 1))
-
-
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 @dataclass(frozen=True)
@@ -136,8 +133,6 @@ def run_ranks(fn: Callable[..., Any], args: Any, world: World, *, threads: int =
     if world.external:
         value = _run_external(fn, args, world, threads)
     else:
-        from .._spawn import spawn
-
         value = spawn(_rank_entry, world.nproc, fn, args, backend=world.backend, threads=threads, timeout=timeout)[0]
     if isinstance(value, _Wrong):
         raise WrongResultError(value.message)
@@ -154,13 +149,12 @@ def run_distributed(rank_main: Callable[..., Any], args: Any) -> Any:
 
 def _run_external(fn: Callable[..., Any], args: Any, world: World, threads: int) -> Any:
     rank = int(os.environ["RANK"])
-    if threads:
-        torch.set_num_threads(threads)
+    set_threads(threads)
     if world.backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     owns_group = not dist.is_initialized()
     if owns_group:
-        dist.init_process_group(world.backend, timeout=datetime.timedelta(seconds=600))
+        join_process_group(world.backend, rank=rank, world_size=world.nproc)
     try:
         value = _rank_entry(rank, world.nproc, fn, args)
     finally:

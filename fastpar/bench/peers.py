@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .._spawn import free_port, loopback_env
+from ..launcher import free_port, loopback_env
 
 
 def _resolve(factory: str) -> Callable[..., Callable[[], object]]:

@@ -94,7 +94,7 @@ def _verdicts(report: BenchReport) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> None:
-    from .launch import launched_by_torchrun
+    from ..launcher import launched_by_torchrun
     from .machine import machine_facts, machine_markdown
 
     if launched_by_torchrun():

@@ -46,14 +46,19 @@ def running_under_torchrun() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (a sweep trial pinned to one core sees 1), not the machine's count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_cpu_processes() -> int:
     """A sensible share of the cores: up to 4 processes, each with cores/processes threads."""
-    return max(1, min(_MAX_DEFAULT_CPU_PROCESSES, os.cpu_count() or 1))
+    return max(1, min(_MAX_DEFAULT_CPU_PROCESSES, usable_cpus()))
 
 
 def _cpu_plan(devices: int | None, threads: int | None) -> Plan:
     nprocs = devices or default_cpu_processes()
-    threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+    threads = threads or max(1, usable_cpus() // nprocs)
     return Plan("cpu", nprocs, "gloo" if nprocs > 1 else None, "cpu", (), threads)
 
 
@@ -96,7 +101,7 @@ def _cluster_plan(threads: int | None) -> Plan:
             "on every node, or use execution_environment='auto' on one machine."
         )
     cuda = gpu_count() > 0
-    threads = threads or max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"]))
+    threads = threads or max(1, usable_cpus() // int(os.environ["LOCAL_WORLD_SIZE"]))
     return Plan("cluster", 0, "nccl" if cuda else "gloo", "cuda" if cuda else "cpu", (), threads)
 
 
@@ -119,4 +124,4 @@ def resolve(kind: str, devices: int | None = None, threads: int | None = None) -
         return _cpu_plan(devices, threads)
     ids = _gpu_ids(kind, devices, available)
     backend = "nccl" if len(ids) > 1 else None
-    return Plan(kind, len(ids), backend, "cuda", ids, threads or max(1, (os.cpu_count() or 1) // len(ids)))
+    return Plan(kind, len(ids), backend, "cuda", ids, threads or max(1, usable_cpus() // len(ids)))

@@ -8,13 +8,14 @@ level, not lambdas or local functions — and the script's entry guarded by ``if
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .._pickling import Unpicklable, dumps_naming_culprit
+from ..launcher import COLLECTIVE_TIMEOUT_S
 from .environment import Plan
 from .options import TrainingOptions
 
@@ -61,7 +62,7 @@ class Job:
     train_data: Any
     options: TrainingOptions
     plan: Plan
-    collective_timeout_s: float = 600.0
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
 
 
 def build_model(model: Any) -> torch.nn.Module:
@@ -120,11 +121,6 @@ def _compress_hook(dtype, bucket):  # no annotations: torch checks them against 
 
 def check_picklable(job: Job) -> None:
     """Raise TypeError naming the argument that can't be sent to worker processes, and how to fix it."""
-    try:
-        pickle.dumps(job)
-        return
-    except Exception as exc:  # find the culprit for a useful message
-        error = exc
     parts = {
         "model": job.model,
         "optimizer": job.optimizer,
@@ -134,13 +130,11 @@ def check_picklable(job: Job) -> None:
         "options.output_fns": list(job.options.output_fns),
         "options.lr_scheduler": job.options.lr_scheduler,
     }
-    culprit = "an argument"
-    for name, value in parts.items():
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            culprit, error = name, exc
-            break
+    try:
+        dumps_naming_culprit(job, parts.items(), default="an argument")
+        return
+    except Unpicklable as exc:
+        culprit, error = exc.culprit, exc.error
     raise TypeError(
         f"fastpar.Trainer: {culprit} can't be sent to the worker processes ({type(error).__name__}: {error}). "
         "Workers are separate processes: define models, factories, loss and output functions at module level "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .._optional import available
+from ..jobs.channel import publish
 
 
 def format_duration(seconds: float) -> str:
@@ -120,6 +121,7 @@ class MetricsLog:
         self.records.append(record)
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
+        publish(record)  # inside a fastpar job: what future.progress() and a sweep's live table read
 
     def close(self) -> None:
         self._fh.close()

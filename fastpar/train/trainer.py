@@ -7,11 +7,11 @@ from typing import Any
 
 import torch
 
+from .. import launcher
 from . import checkpoint as ckpt
 from .data import check_exists
 from .environment import resolve
 from .job import Job, OptimizerSpec, build_model, check_picklable
-from .launch import launch_local
 from .options import TrainingOptions
 from .worker import run_worker
 
@@ -108,7 +108,8 @@ class Trainer:
         job = Job(self.model, optimizer, self.loss_fn, self.train_data, opts, plan)
         if local_launch:
             check_picklable(job)
-            raw = launch_local(job, plan.nprocs, opts.max_restarts)
+            raw = launcher.launch_agent(run_worker, (job,), nproc_per_node=plan.nprocs,
+                                        max_restarts=opts.max_restarts)[0]  # fmt: skip
         else:  # one process here, or this process is already a torchrun worker
             raw = run_worker(job)
         return self._result(raw)

@@ -1,0 +1,146 @@
+"""submitit's executors, chosen and configured for fastpar jobs: local processes on a laptop or a single
+machine, Slurm one argument away.
+
+``cluster``: ``"auto"`` (Slurm when ``srun`` is on PATH, else local), ``"local"``, ``"slurm"`` or ``"debug"``
+(in this process, for stepping through a job in a debugger). Resources are submitit's parameters:
+the shared ones (``timeout_min``, ``gpus_per_node``, ``cpus_per_task``, ``nodes``, ``tasks_per_node``,
+``mem_gb``, ``name``) and cluster-specific ones with their prefix (``slurm_partition``, ``slurm_account``,
+``slurm_qos``, ``slurm_constraint``, ``slurm_setup``, ...), passed through unchanged.
+
+One change to submitit's local executor: the job's controller starts in a session of its own, detached
+from the submitter's output, so the job survives Ctrl-C and the closing of the terminal that submitted
+it, and :mod:`.proctree` can find and stop every process it started.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import threading
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .._optional import require
+
+submitit = require("submitit", extra="jobs", purpose="fastpar jobs (sweep, submit, batch)")
+from submitit.local import local as _submitit_local  # noqa: E402 - after the check that names the extra
+
+CLUSTERS = ("auto", "local", "slurm", "debug")
+DEFAULT_TIMEOUT_MIN = 24 * 60  # submitit's own defaults (2 min locally, 5 on Slurm) would kill a training
+_LOCAL_ONLY = ("visible_gpus", "setup", "signal_delay_s")
+
+
+def resolve_cluster(cluster: str) -> str:
+    """``"auto"`` -> ``"slurm"`` or ``"local"``; refuse names submitit doesn't serve here."""
+    if cluster not in CLUSTERS:
+        raise ValueError(f"cluster must be one of {', '.join(CLUSTERS)}, got {cluster!r}")
+    has_slurm = shutil.which("srun") is not None  # submitit's own test for Slurm
+    if cluster == "auto":
+        return "slurm" if has_slurm else "local"
+    if cluster == "slurm" and not has_slurm:
+        raise RuntimeError(
+            "cluster='slurm', but Slurm's srun/sbatch are not on this machine's PATH; submit from a Slurm login "
+            "node, or use cluster='local' to run the job here"
+        )
+    return cluster
+
+
+def check_resources(resources: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Check resource names and types against the installed submitit; return them with fastpar's defaults."""
+    params = dict(resources or {})
+    shared = submitit.AutoExecutor._typed_parameters()  # name -> type
+    slurm = submitit.SlurmExecutor._valid_parameters()
+    problems = []
+    for key, value in params.items():
+        prefix, _, rest = key.partition("_")
+        if key in shared:
+            wanted = (int, float) if shared[key] is float else shared[key]
+            if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
+                problems.append(f"{key} must be {shared[key].__name__}, got {value!r}")
+        elif not ((prefix == "slurm" and rest in slurm) or (prefix == "local" and rest in _LOCAL_ONLY)):
+            problems.append(f"unknown resource {key!r}")
+    for key in ("nodes", "tasks_per_node", "timeout_min"):
+        if isinstance(params.get(key), int) and params[key] < 1:
+            problems.append(f"{key} must be at least 1, got {params[key]}")
+    if isinstance(params.get("gpus_per_node"), int) and params["gpus_per_node"] < 0:
+        problems.append(f"gpus_per_node must be >= 0, got {params['gpus_per_node']}")
+    if problems:
+        raise ValueError(
+            f"bad resources: {'; '.join(problems)}. Shared resources: {', '.join(sorted(shared))}; Slurm-only ones "
+            f"take a slurm_ prefix ({', '.join('slurm_' + k for k in sorted(slurm)[:6])}, ...; see submitit's "
+            "SlurmExecutor); local-only ones: " + ", ".join("local_" + k for k in _LOCAL_ONLY)
+        )
+    params.setdefault("timeout_min", DEFAULT_TIMEOUT_MIN)
+    return params
+
+
+def local_gpus() -> int:
+    from ..train.environment import gpu_count
+
+    return gpu_count()
+
+
+def check_local_gpus(wanted: int, what: str) -> None:
+    """Refuse to ask this machine for more GPUs than it has."""
+    have = local_gpus()
+    if wanted > have:
+        raise ValueError(
+            f"{what} asks for {wanted} GPU(s), but this machine has {have}; ask for at most {have}, "
+            "or submit to a cluster that has them (cluster='slurm', slurm_partition=...)"
+        )
+
+
+def fill_local_gpus(params: dict[str, Any], what: str) -> None:
+    """A local job: refuse more GPUs than this machine has; without ``gpus_per_node`` the job sees every GPU
+    this session sees (submitit's local default, 0, would hide them all)."""
+    if "gpus_per_node" in params:
+        check_local_gpus(params["gpus_per_node"], f"{what}(gpus_per_node={params['gpus_per_node']})")
+    else:
+        params["gpus_per_node"] = local_gpus()
+
+
+class _ControllerSubprocess(types.ModuleType):
+    """``subprocess`` as submitit's local module sees it while fastpar submits: the controller's Popen starts
+    a new session and writes to the job's ``controller.log``, not to the submitter's stdout — a shell's
+    ``id=$(python submit.py)`` would otherwise wait for the job to close that pipe."""
+
+    def __init__(self, log: Any) -> None:
+        super().__init__("subprocess")
+        self.Popen = functools.partial(subprocess.Popen, start_new_session=True, stdin=subprocess.DEVNULL,
+                                       stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+
+_SUBMIT_LOCK = threading.Lock()
+
+
+class SessionLocalExecutor(submitit.LocalExecutor):
+    """submitit's LocalExecutor whose job controllers start in sessions of their own, detached from the
+    submitting process's terminal and output."""
+
+    def _submit_command(self, command: str) -> Any:
+        with _SUBMIT_LOCK, open(Path(self.folder) / "controller.log", "ab") as log:
+            _submitit_local.subprocess = _ControllerSubprocess(log)  # seen only by submitit's local module
+            try:
+                return super()._submit_command(command)
+            finally:
+                _submitit_local.subprocess = subprocess
+
+
+def make_executor(folder: str | Path, cluster: str, params: Mapping[str, Any]) -> Any:
+    """A submitit executor writing into ``folder`` for ``cluster`` (resolved) with ``params`` (checked)."""
+    if cluster == "local":
+        executor = SessionLocalExecutor(folder)
+        shared = submitit.AutoExecutor._typed_parameters()
+        local = {k: v for k, v in params.items() if k in shared}
+        local.update({k.removeprefix("local_"): v for k, v in params.items() if k.startswith("local_")})
+        executor.update_parameters(**local)
+        return executor
+    executor = submitit.AutoExecutor(folder, cluster=cluster)
+    executor.update_parameters(**params)
+    return executor

@@ -1,0 +1,105 @@
+"""Where jobs live: one folder per job, holding submitit's files (pickled call, result, logs) and
+``job.json``, fastpar's record of what was submitted where. A job is found again by its id (the folder's
+name under the jobs root) or by its folder's path, from any process, after the submitting one has exited.
+
+The jobs root is ``FASTPAR_JOBS_DIR`` or ``~/.fastpar/jobs``; on a cluster it must be on a file system
+the compute nodes share (home directories usually are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+ROOT_ENV = "FASTPAR_JOBS_DIR"
+RECORD_FILE = "job.json"
+
+
+class JobNotFoundError(LookupError):
+    """No job with that id (or folder) exists; the message says where it looked."""
+
+
+@dataclasses.dataclass
+class JobRecord:
+    id: str
+    name: str
+    kind: str  # submit | batch | trial
+    cluster: str  # local | slurm | debug
+    folder: str
+    cluster_job_id: str = ""  # submitit's id: the controller's pid locally, the Slurm job id on Slurm
+    num_tasks: int = 1
+    result_from: str = "task0"  # task0: task 0's return value | rank0: the value of global rank 0 (multi-node)
+    submitted: str = ""  # ISO time
+    what: str = ""  # the function or script, for people
+    resources: dict[str, Any] = dataclasses.field(default_factory=dict)
+    controller_start_ticks: int | None = None  # local: tells the controller apart from a later process with its pid
+    slot: dict[str, Any] | None = None  # a local sweep trial's slot: index, cpus, gpus
+
+    def save(self) -> None:
+        path = Path(self.folder) / RECORD_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1, default=repr))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> JobRecord:
+        data = json.loads((Path(folder) / RECORD_FILE).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        record = cls(**{k: v for k, v in data.items() if k in known})
+        record.folder = str(Path(folder).resolve())  # the folder may have moved since
+        return record
+
+
+def jobs_root(root: str | Path | None = None) -> Path:
+    """The folder holding job folders: ``root``, else ``$FASTPAR_JOBS_DIR``, else ``~/.fastpar/jobs``."""
+    chosen = root or os.environ.get(ROOT_ENV) or Path.home() / ".fastpar" / "jobs"
+    return Path(chosen).expanduser().resolve()
+
+
+def new_job_folder(root: Path) -> tuple[str, Path]:
+    """A fresh, empty folder under ``root`` and its id (8 hex digits)."""
+    root.mkdir(parents=True, exist_ok=True)
+    while True:
+        job_id = secrets.token_hex(4)
+        folder = root / job_id
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return job_id, folder
+
+
+def now_iso() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def find_job(job: str | Path, root: str | Path | None = None) -> Path:
+    """The folder of job ``job`` (an id under the jobs root, or a job folder's path)."""
+    text = str(job)
+    candidates = [Path(text).expanduser()] if os.sep in text or Path(text).is_dir() else []
+    candidates.append(jobs_root(root) / text)
+    for folder in candidates:
+        if (folder / RECORD_FILE).is_file():
+            return folder.resolve()
+    raise JobNotFoundError(
+        f"no fastpar job {text!r} under {jobs_root(root)} (looked for {candidates[-1] / RECORD_FILE}); "
+        f"'fastpar jobs list' shows the jobs there, --dir / {ROOT_ENV} picks another jobs folder"
+    )
+
+
+def list_jobs(root: str | Path | None = None) -> list[JobRecord]:
+    """Every job under the jobs root, oldest first."""
+    base = jobs_root(root)
+    records = []
+    if base.is_dir():
+        for record_file in base.glob(f"*/{RECORD_FILE}"):
+            try:
+                records.append(JobRecord.load(record_file.parent))
+            except (OSError, ValueError, TypeError):  # a folder being written, or not a job
+                continue
+    return sorted(records, key=lambda r: (r.submitted, r.id))

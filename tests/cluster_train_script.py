@@ -1,0 +1,33 @@
+"""The training script of the multi-node tests (not a test itself): started by torchrun, or by the agents
+of a ``fastpar.batch(..., nodes=2)`` job, it trains with ``execution_environment="cluster"`` and rank 0
+saves the trained parameters to the path given as its first argument."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import fastpar
+
+
+def make_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 3))
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 12, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    options = fastpar.TrainingOptions(execution_environment="cluster", threads_per_process=1, max_epochs=2,
+                                      batch_size=16, progress_bar=False, output_dir=out + ".out", log_every=4)
+    result = fastpar.Trainer(make_model, make_optimizer, torch.nn.functional.cross_entropy, (x, y),
+                             options=options).fit()
+    if result.model is not None:  # rank 0
+        torch.save(result.model.state_dict(), out)
+        print(f"saved rank 0's parameters after {result.steps} steps to {out}", flush=True)
