@@ -21,8 +21,8 @@ from kernel_emulator import emulated_tier
 
 import fastpar
 from fastpar import _cupy_tier, _ext, _nvrtc, ops
-from fastpar.launcher import spawn
 from fastpar.info import _kernels_line
+from fastpar.launcher import spawn
 
 needs_gpu = pytest.mark.cuda
 
