@@ -45,6 +45,8 @@ BENCHMARKS = {
     "pack": "fastpar.bench.pack",
     "ddp": "fastpar.bench.ddp_step",
     "data": "fastpar.bench.data",
+    "calibrate": "fastpar.bench.calibrate",
+    "simulate": "fastpar.bench.simulate",
     "all": "fastpar.bench.report",
 }
 # Defaults of the shared flags; a benchmark's DEFAULTS override them. The flags themselves default to
