@@ -33,6 +33,7 @@ from .collectives import check_and_time
 from .harness import Plan, WrongResultError, count_mismatches, format_bytes
 
 CONTENTION_BUCKET_BYTES = 4 << 20  # the all-reduce kept on the wire while backward runs
+MAX_SLOWDOWN = 10.0  # a slowdown estimate beyond 10x (10% speed) is noise from other jobs, not contention
 
 
 def measure_collectives(names: Sequence[str], sizes: Sequence[int], device: torch.device, rank: int,
@@ -127,22 +128,29 @@ class ContentionTrial:
         self.samples.append((alone, wire, t2 - t1, time.perf_counter() - t0))
 
     def result(self, skip: int) -> dict[str, float]:
-        """The slowdowns from the medians (slowest rank) of the trials after the first ``skip`` (warm-up)."""
+        """The slowdowns after the first ``skip`` trials (warm-up): per trial from the slowest rank's four times
+        (ranks run each trial together), then the median over trials, so each estimate pairs measurements taken
+        seconds apart and a machine that drifts between trials does not bias it."""
         kept = self.samples[skip:] or self.samples
-        b, w, b_with, w_with = launch.slowest([statistics.median(s[k] for s in kept) for k in range(4)], self.device)
-        if w_with <= b_with:  # the wire finished while backward still ran: all of its work was shared
-            wire = w_with / w - 1.0
-        else:
-            alone_after = b_with + w - w_with
-            wire = b_with / alone_after - 1.0 if alone_after > 0 else 20.0
+        flat = launch.slowest([t for sample in kept for t in sample], self.device)
+        computes, wires = [], []
+        for b, w, b_with, w_with in zip(*[iter(flat)] * 4, strict=True):
+            computes.append(b_with / b - 1.0)
+            if w_with <= b_with:  # the wire finished while backward still ran: all of its work was shared
+                wires.append(w_with / w - 1.0)
+            else:
+                alone_after = b_with + w - w_with  # the wire made no headway at all when this is <= 0
+                wires.append(b_with / alone_after - 1.0 if alone_after > 0 else MAX_SLOWDOWN)
+        medians = [statistics.median(flat[k::4]) for k in range(4)]
         return {
-            "compute_slowdown": max(0.0, b_with / b - 1.0),
-            "wire_slowdown": min(max(wire, 0.0), 20.0),
+            "compute_slowdown": min(max(statistics.median(computes), 0.0), MAX_SLOWDOWN),
+            "wire_slowdown": min(max(statistics.median(wires), 0.0), MAX_SLOWDOWN),
             "allreduces": float(self.count),
-            "backward_alone_s": b,
-            "backward_with_wire_s": b_with,
-            "wire_alone_s": w,
-            "wire_with_backward_s": w_with,
+            "trials": float(len(kept)),
+            "backward_alone_s": medians[0],
+            "wire_alone_s": medians[1],
+            "backward_with_wire_s": medians[2],
+            "wire_with_backward_s": medians[3],
         }
 
 

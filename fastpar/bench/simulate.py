@@ -17,13 +17,13 @@ published case, its published efficiencies against the prediction.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..ddp.bucket_optimizer import plan_buckets, size_capped_buckets, torch_layout
 from ..ddp.collective_costs import Fabric, algorithm_for, collective_seconds
 from ..ddp.fabrics import PRESETS, fabric_from_topology, load_topology, preset, with_overrides
 from ..ddp.perf_profile import REDUCERS, Profile
-from ..ddp.step_simulator import StepTimeline, simulate_step
+from ..ddp.step_simulator import simulate_step
 from .harness import BenchUsageError
 from .published import CASES, PublishedCase, case
 from .table import BenchReport, Column, PlotSpec, goal_line
@@ -75,12 +75,6 @@ def load(spec: str) -> tuple[Profile, PublishedCase | None]:
         published = case(spec.split(":", 1)[1])
         return Profile("nccl", "cuda", 1, {}, timeline=published.timeline(), model={"name": published.title}), published
     return Profile.load(spec), None
-
-
-def scaled(timeline: StepTimeline, factor: float) -> StepTimeline:
-    """``timeline`` with every compute time multiplied by ``factor``."""
-    grads = [replace(g, ready_s=g.ready_s * factor) for g in timeline.grads]
-    return StepTimeline(grads, timeline.backward_s * factor, timeline.forward_s * factor, timeline.optimizer_s * factor)
 
 
 def comm_on(fabric: Fabric, ranks: int):
@@ -163,7 +157,7 @@ def run(args: argparse.Namespace) -> BenchReport:
         fabric = _fabric(args, profile, published)
         if profile.timeline is None:
             raise ValueError(f"{args.profile} has no gradient timeline; calibrate with a model")
-        timeline = scaled(profile.timeline, args.compute_scale)
+        timeline = profile.timeline.scaled(args.compute_scale)
         costs = published.costs if published else profile.sync_costs(args.reducer)
         rows, skipped = [], [n for n in ranks if n > fabric.gpus_per_node and fabric.inter is None]
         for n in (n for n in ranks if n not in skipped):

@@ -58,6 +58,11 @@ class StepTimeline:
         """The step without any communication: the floor every prediction is compared with."""
         return self.forward_s + self.backward_s + self.optimizer_s
 
+    def scaled(self, factor: float) -> StepTimeline:
+        """This timeline with every compute time multiplied by ``factor`` (a faster device, or re-measured)."""
+        grads = [GradArrival(g.index, g.nbytes, g.dtype, g.ready_s * factor) for g in self.grads]
+        return StepTimeline(grads, self.backward_s * factor, self.forward_s * factor, self.optimizer_s * factor)
+
     def by_index(self) -> dict[int, GradArrival]:
         return {g.index: g for g in self.grads}
 
