@@ -17,7 +17,7 @@ published case, its published efficiencies against the prediction.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..ddp.bucket_optimizer import plan_buckets, size_capped_buckets, torch_layout
 from ..ddp.collective_costs import Fabric, algorithm_for, collective_seconds
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--reducer", choices=list(REDUCERS), default="torch",
                        help="how gradients move into buckets: pack/unpack costs from the profile (default torch)")  # fmt: skip
     group.add_argument("--compute-scale", type=float, default=1.0,
-                       help="multiply the profile's compute times (e.g. 0.05 for a device 20x faster)")  # fmt: skip
+                       help="multiply the profile's compute and pack/unpack times (e.g. 0.05 for a device 20x faster)")  # fmt: skip
 
 
 def load(spec: str) -> tuple[Profile, PublishedCase | None]:
@@ -158,7 +158,12 @@ def run(args: argparse.Namespace) -> BenchReport:
         if profile.timeline is None:
             raise ValueError(f"{args.profile} has no gradient timeline; calibrate with a model")
         timeline = profile.timeline.scaled(args.compute_scale)
-        costs = published.costs if published else profile.sync_costs(args.reducer)
+        # the profile's contention factors describe its own CPU ranks; a named GPU fabric gets none
+        own_network = not (args.preset or args.topology)
+        costs = published.costs if published else profile.sync_costs(args.reducer, contention=own_network)
+        # packing and unpacking run on the same device as the compute: they scale with it
+        costs = replace(costs, pack_s_per_byte=costs.pack_s_per_byte * args.compute_scale,
+                        unpack_s_per_byte=costs.unpack_s_per_byte * args.compute_scale)  # fmt: skip
         rows, skipped = [], [n for n in ranks if n > fabric.gpus_per_node and fabric.inter is None]
         for n in (n for n in ranks if n not in skipped):
             comm, nodes = comm_on(fabric, n), fabric.nodes(n)
@@ -190,11 +195,17 @@ def run(args: argparse.Namespace) -> BenchReport:
     return report
 
 
+def _fabric_line(fabric: Fabric) -> str:
+    intra = f"{fabric.intra.bus_gbs:.4g} GB/s busbw, {fabric.intra.latency_us:g} us/step"
+    if fabric.inter is None and fabric.gpus_per_node >= 1 << 20:
+        return f"one flat ring, {intra}, ring only"
+    inter = f"{fabric.inter.bus_gbs:.4g} GB/s, {fabric.inter.latency_us:g} us/step" if fabric.inter else "none"
+    return f"{fabric.gpus_per_node} per node, intra {intra}; inter {inter}; base {fabric.base_latency_us:g} us per call"
+
+
 def _report(args, profile, published, fabric, timeline, rows) -> BenchReport:
     checks = validate(profile, published)
-    footer = [f"fabric: {fabric.name}: {fabric.gpus_per_node} per node, intra {fabric.intra.bus_gbs:.4g} GB/s busbw, "
-              f"{fabric.intra.latency_us:g} us/step; inter " + (f"{fabric.inter.bus_gbs:.4g} GB/s, "
-              f"{fabric.inter.latency_us:g} us/step" if fabric.inter else "none") + f"; base {fabric.base_latency_us:g} us"]  # fmt: skip
+    footer = [f"fabric: {fabric.name}: {_fabric_line(fabric)}"]
     footer += [f"  source: {s}" for s in fabric.sources]
     footer.append("collectives: ring/tree formulas of fastpar.ddp.collective_costs (Thakur et al. 2005; NCCL tuning.cc; "
                   "Sanders et al. 2009); algorithm column: what a 4 MB all-reduce uses")  # fmt: skip
@@ -225,6 +236,11 @@ def _report(args, profile, published, fabric, timeline, rows) -> BenchReport:
         "model": str(profile.model.get("name", "?")),
         "compute step (no communication)": f"{timeline.compute_s * 1e3:.2f} ms ({len(timeline.grads)} gradients)",
         "reducer": "as published" if published else args.reducer,
+        "contention": "none"
+        if published or args.preset or args.topology
+        else "compute x{:.2f}, wire x{:.2f} while both run (the profile's)".format(
+            1 + profile.contention.get("compute_slowdown", 0.0), 1 + profile.contention.get("wire_slowdown", 0.0)
+        ),
     }
     return BenchReport(
         benchmark="simulate",
