@@ -76,7 +76,7 @@ def _model_factory(args: argparse.Namespace):
         factory = getattr(importlib.import_module(module_name), function)
     except (ImportError, AttributeError, ValueError) as exc:
         raise BenchUsageError(
-            f"--model {args.model!r}: cannot load it ({exc}); use mlp, blocks or package.module:function"
+            f"--model {args.model!r}: cannot load it ({exc}); use mlp, blocks, tiny or package.module:function"
         ) from None
 
     def build() -> torch.nn.Module:
@@ -156,7 +156,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
                 "source": "measured by this calibrate run, in the same rounds as the profile",
             }
             for name, cap in steps.items()
-        ],  # fmt: skip
+        ],
         threads=args.threads,
         meta={
             "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
