@@ -46,6 +46,8 @@ BENCHMARKS = {
     "ddp": "fastpar.bench.ddp_step",
     "data": "fastpar.bench.data",
     "sweep": "fastpar.bench.sweep",
+    "calibrate": "fastpar.bench.calibrate",
+    "simulate": "fastpar.bench.simulate",
     "all": "fastpar.bench.report",
 }
 # Defaults of the shared flags; a benchmark's DEFAULTS override them. The flags themselves default to

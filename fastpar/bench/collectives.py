@@ -40,7 +40,7 @@ DESCRIPTION = "torch.distributed collectives, nccl-tests style: time, algbw, bus
 USES = {"sizes", "nproc", "dtype"}
 DEFAULTS = {"min_bytes": "1K", "max_bytes": "16M", "factor": 4, "iters": 10, "warmup": 3, "rounds": 3}
 DTYPE_CHOICES = tuple(dict.fromkeys(DTYPES.values()))  # every --dtype: the check values are exact in each
-__all__ = ["NAMES", "CollectiveCase", "bus_factor", "case_call", "make_case", "run"]
+__all__ = ["NAMES", "CollectiveCase", "bus_factor", "case_call", "check_and_time", "make_case", "run"]
 
 
 def describe(name: str) -> str:
@@ -63,6 +63,24 @@ def _nccl_version() -> str | None:
     return collect()["nccl"]
 
 
+def check_and_time(
+    name: str, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int, world_size: int, plan: Plan,
+    *, timed: bool = True,
+) -> tuple[CollectiveCase, int, float | None]:  # fmt: skip
+    """One collective at one size: check every element against the exact result (all ranks agree on the
+    count of wrong ones), then, when right and ``timed``, time it on zeroed buffers (slowest rank's median).
+    Returns ``(case, wrong elements summed over ranks, seconds or None)``."""
+    case = make_case(name, nbytes, dtype, device, rank, world_size)
+    case.call()
+    synchronize(device)
+    wrong = launch.agree_count(count_mismatches(case.out, case.expected), device)
+    if wrong or not timed:
+        return case, wrong, None
+    case.inp.zero_()
+    case.out.zero_()  # timed on zeros: repeated in-place sums never overflow
+    return case, 0, launch.time_on_all_ranks({"op": case.call}, plan, device)["op"]
+
+
 def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchReport | None:
     device = launch.rank_device(args.backend)
     dtype = parse_dtype(args.dtype)
@@ -70,17 +88,13 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
     sizes = distinct_sizes(args.benchmark, args.sizes, torch.empty((), dtype=dtype).element_size(), world_size)
     rows, wrong_sizes = [], []
     for nbytes in sizes:
-        case = make_case(args.benchmark, nbytes, dtype, device, rank, world_size)
-        case.call()
-        synchronize(device)
-        wrong = launch.agree_count(count_mismatches(case.out, case.expected), device)
+        # keep checking the other sizes, but time nothing once a result was wrong
+        case, wrong, seconds = check_and_time(args.benchmark, nbytes, dtype, device, rank, world_size, plan,
+                                              timed=not wrong_sizes)  # fmt: skip
         if wrong:
             wrong_sizes.append(f"{format_bytes(case.nbytes)} ({wrong} wrong elements summed over ranks)")
-        if wrong_sizes:
-            continue  # keep checking the other sizes, but time nothing once a result was wrong
-        case.inp.zero_()
-        case.out.zero_()
-        seconds = launch.time_on_all_ranks({"op": case.call}, plan, device)["op"]
+        if seconds is None:
+            continue
         algbw = bandwidth_gbs(case.nbytes, seconds)
         rows.append(
             dict(size=case.nbytes, count=case.count, dtype=dtype_name(dtype), time_us=seconds * 1e6,
