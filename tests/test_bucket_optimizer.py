@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
 from fastpar._spawn import spawn
+
 from fastpar.ddp.bucket_optimizer import (
     choose_buckets,
     decide_buckets,
