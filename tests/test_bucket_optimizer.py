@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from fastpar._spawn import spawn
+from fastpar.launcher import spawn
 
 from fastpar.ddp.bucket_optimizer import (
     choose_buckets,
