@@ -18,6 +18,9 @@ _EXTRAS = {
     "matplotlib": ("bench", "matplotlib"),
     "PIL": ("dev", "Pillow"),
     "pytest_benchmark": ("bench", "pytest-benchmark"),
+    "boto3": ("s3", "boto3 (the AWS SDK for Python)"),
+    "fsspec": ("s3", "fsspec"),
+    "moto": ("s3-test", "moto[server]"),
 }
 
 
