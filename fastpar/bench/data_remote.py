@@ -20,6 +20,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -48,10 +49,14 @@ def _download(url: str, dest: Path) -> Path:
 
     store = open_store(url, StoreOptions())
     folder = scan_object_folder(store)
-    for info in folder.objects:
+
+    def copy(info) -> None:
         path = dest / info.key[len(store.base) :]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(store.get(info))
+
+    with ThreadPoolExecutor(StoreOptions().max_requests) as pool:
+        list(pool.map(copy, folder.objects))
     return dest
 
 

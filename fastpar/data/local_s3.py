@@ -68,7 +68,8 @@ class LocalS3:
     def start(self) -> LocalS3:
         ready = self.workdir / "ready.json"
         ready.unlink(missing_ok=True)
-        args = [sys.executable, "-m", "fastpar.data.local_s3", "--port", str(self.port), "--ready", str(ready)]
+        args = [sys.executable, "-m", "fastpar.data.local_s3", "--port", str(self.port), "--ready", str(ready),
+                "--parent", str(os.getpid())]  # fmt: skip
         args += [f"--bucket={name}={folder}" for name, folder in self.buckets.items()]
         args += ["--auth"] if self.auth else []
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
@@ -221,13 +222,25 @@ def _seed(buckets: dict[str, str], auth: bool) -> dict[str, dict[str, str]]:
     return users
 
 
+def _exit_with_parent(pid: int) -> None:
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        time.sleep(1.0)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="a local moto S3 server for fastpar's tests and benchmarks")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ready", required=True, help="file written (JSON) once the server listens")
     parser.add_argument("--bucket", action="append", default=[], help="NAME=FOLDER: a bucket seeded from a folder")
     parser.add_argument("--auth", action="store_true", help="enforce IAM after seeding (users reader/lister/nobody)")
+    parser.add_argument("--parent", type=int, help="exit when this process is gone (no server outlives its test)")
     args = parser.parse_args(argv)
+    if args.parent:
+        threading.Thread(target=_exit_with_parent, args=(args.parent,), daemon=True).start()
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
