@@ -221,6 +221,16 @@ def test_gives_up_with_an_error_naming_bucket_and_key(s3, mode):
         list(remote)
 
 
+@pytest.mark.skipif(not HAS_DALI, reason="no DALI")
+def test_dali_reader_refuses_what_it_cannot_do(s3, monkeypatch, tmp_path):
+    list(load("s3://imgs/train", "dali", "dali"))  # DALI's S3 client now exists in this process, for this endpoint
+    with pytest.raises(ValueError, match="cannot fill cache_dir"):
+        load("s3://imgs/train", "dali", "dali", cache_dir=tmp_path)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    with pytest.raises(ValueError, match=f"already talks to {s3.endpoint} in this process"):
+        load("s3://imgs/train", "dali", "dali", endpoint_url=s3.endpoint)
+
+
 def test_missing_bucket(s3):
     with pytest.raises(BucketNotFoundError, match="bucket 'no-such-bucket' does not exist at http://127.0.0.1"):
         load("s3://no-such-bucket/train")
@@ -343,8 +353,8 @@ def test_bench_data_against_a_local_server(capsys, tmp_path):
     json_path = tmp_path / "data.json"
     code = main(["data", "--local-s3", "--count", "24", "--image-size", "64x48", "--size", "32", "--batch", "8",
                  "--workers", "1", "--rounds", "1", "-n", "1", "-w", "0", "--json", str(json_path)])  # fmt: skip
-    out = capsys.readouterr().out
-    assert code == 0, out
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
     for row in ("local_torch", "s3_torch", "s3_cached_torch", "fetch_only"):
         assert row in out
     assert "goal: s3_torch >= 0.60x local_torch" in out and "goal: s3_cached_torch >= 0.95x local_torch" in out

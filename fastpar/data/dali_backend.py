@@ -25,6 +25,7 @@ cost: between epochs a loader holds a second pipeline with ``prefetch_queue_dept
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -121,6 +122,7 @@ def bare_pipeline(
     return pipe
 
 
+@functools.cache
 def dali_reads_s3() -> bool:
     """Whether the installed DALI reads ``s3://`` paths itself: ``fn.io.file.read`` and its bundled AWS SDK."""
     if not available("nvidia.dali"):
@@ -132,15 +134,19 @@ def dali_reads_s3() -> bool:
     return has_sdk and hasattr(fn, "io") and hasattr(fn.io, "file") and hasattr(fn.io.file, "read")
 
 
-def dali_should_read(source: LocalFiles | ObjectFiles, storage: StoreOptions) -> bool:
-    """Whether DALI's own S3 reader fetches ``source``'s objects (``storage.reader``; "auto" decides).
+# AWS_ENDPOINT_URL when this process first built a pipeline with DALI's S3 reader: DALI makes its S3 client
+# once per process, with the endpoint of that moment, and keeps it
+_dali_endpoint: list[str | None] = []
 
-    DALI's reader takes its endpoint from ``AWS_ENDPOINT_URL`` once per process and cannot use a cache,
-    so it is never chosen for an ``endpoint_url=`` argument, a ``cache_dir``, anonymous access or
-    non-S3 URLs; "auto" prefers the client (see the README: DALI's reader sends a HEAD and a GET per
-    object and fetches at most ``num_threads`` at once).
+
+def dali_should_read(source: LocalFiles | ObjectFiles, storage: StoreOptions) -> bool:
+    """Whether DALI's own S3 reader fetches ``source``'s objects: only when asked (``reader="dali"``).
+
+    "auto" is the client, which feeds the same pipeline: DALI 2.4's reader sends a HEAD and a GET per
+    object, fetches at most ``num_threads`` at once, cannot fill a cache and takes its endpoint from
+    ``AWS_ENDPOINT_URL`` once per process (see the README). Asked for where it cannot work, it is an error.
     """
-    if not isinstance(source, ObjectFiles) or storage.reader == "client":
+    if not isinstance(source, ObjectFiles) or storage.reader != "dali":
         return False
     why_not = []
     if source.store.url.scheme != "s3":
@@ -149,13 +155,16 @@ def dali_should_read(source: LocalFiles | ObjectFiles, storage: StoreOptions) ->
         why_not.append("it cannot fill cache_dir")
     if storage.endpoint_url and storage.endpoint_url != os.environ.get("AWS_ENDPOINT_URL"):
         why_not.append("it takes the endpoint from AWS_ENDPOINT_URL only; set that instead of endpoint_url=")
+    if _dali_endpoint and _dali_endpoint[0] != os.environ.get("AWS_ENDPOINT_URL"):
+        why_not.append(f"it already talks to {_dali_endpoint[0] or 'AWS'} in this process (DALI reads AWS_ENDPOINT_URL "
+                       f"once), and AWS_ENDPOINT_URL is now {os.environ.get('AWS_ENDPOINT_URL') or 'unset'}")  # fmt: skip
     if storage.anonymous:
         why_not.append("it cannot send anonymous requests")
     if not dali_reads_s3():
         why_not.append("the installed DALI has no S3 support (fn.io.file.read with its AWS SDK)")
-    if storage.reader == "dali" and why_not:
+    if why_not:
         raise ValueError("StoreOptions(reader='dali') cannot be used here: DALI's S3 reader " + "; ".join(why_not))
-    return storage.reader == "dali"
+    return True
 
 
 def _encoded_names(names: Sequence[str]) -> list[np.ndarray]:
@@ -208,6 +217,8 @@ class DaliImageBackend:
         from nvidia.dali import fn, pipeline_def, types
 
         if self.dali_reads:
+            if not _dali_endpoint:
+                _dali_endpoint.append(os.environ.get("AWS_ENDPOINT_URL"))
             chunks = iter([_encoded_names([self.source.names[i] for i in indices]) for indices in batches])
         else:
             chunks = self.source.batches([indices.tolist() for indices in batches])  # objects: fetched ahead

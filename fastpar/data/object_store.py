@@ -187,7 +187,8 @@ class S3Store:
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """One request: retryable failures become _Retryable, the others an error that says what to do."""
-        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+        from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError, NoCredentialsError
+        from botocore.exceptions import ConnectionError as TransportError
 
         self.stats.add(requests=1)
         try:
@@ -204,7 +205,7 @@ class S3Store:
                 "(~/.aws/credentials), or run where an instance/container role applies; for a public bucket pass "
                 "StoreOptions(anonymous=True)"
             ) from exc
-        except BotoCoreError as exc:  # connection refused/reset/closed, timeouts, bodies cut off
+        except (TransportError, HTTPClientError, IncompleteReadError) as exc:  # refused, reset, timed out, cut off
             raise _Retryable(exc) from exc
 
     def list(self) -> list[ObjectInfo]:
