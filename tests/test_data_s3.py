@@ -8,6 +8,7 @@ and DALI's own S3 reader (fn.io.file.read); DALI runs on CPU threads here.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import shutil
 import warnings
@@ -358,4 +359,15 @@ def test_bench_data_against_a_local_server(capsys, tmp_path):
     for row in ("local_torch", "s3_torch", "s3_cached_torch", "fetch_only"):
         assert row in out
     assert "goal: s3_torch >= 0.60x local_torch" in out and "goal: s3_cached_torch >= 0.95x local_torch" in out
+    assert json.loads(json_path.read_text())["summary"]["goals_met"]
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_bench_data_against_a_bucket_url(s3, capsys):
+    from fastpar.bench.cli import main
+
+    code = main(["data", "--root", "s3://imgs/train", "--size", "32", "--batch", "8", "--workers", "1",
+                 "--rounds", "1", "-n", "1", "-w", "0"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "s3://imgs/train (36 images; local copy" in out and "s3_cached_torch" in out
