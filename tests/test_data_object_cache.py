@@ -27,7 +27,12 @@ def test_urls():
     assert not is_url("/data/train") and not is_url("file:///data/train") and not is_url(Path("s3://x"))
     assert not is_url("C:\\data") and local_path("file:///data/train") == Path("/data/train")
     url = ObjectURL.parse("s3://my-bucket/train/")
-    assert (url.bucket, url.prefix, url.list_prefix, str(url)) == ("my-bucket", "train", "train/", "s3://my-bucket/train/")
+    assert (url.bucket, url.prefix, url.list_prefix, str(url)) == (
+        "my-bucket",
+        "train",
+        "train/",
+        "s3://my-bucket/train/",
+    )
     assert ObjectURL.parse("s3://my-bucket").list_prefix == ""
     assert ObjectURL.parse("s3a://my-bucket/a/b").scheme == "s3"
     with pytest.raises(ValueError, match="not a valid S3 bucket name"):

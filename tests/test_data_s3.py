@@ -74,7 +74,9 @@ def load(root, backend="torch", reader="client", batch_size=4, storage=None, **k
 
 
 def same(a, b) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b, strict=True))
+    return len(a) == len(b) and all(
+        torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(a, b, strict=True)
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)

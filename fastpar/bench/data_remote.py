@@ -210,7 +210,8 @@ def _report(args, url: str, root: Path, device, samples, loaders, local_server: 
         ],
         rows=rows,
         header={
-            "store": f"{url} ({images} images; local copy {root})" + (" on a local moto server" if local_server else ""),
+            "store": f"{url} ({images} images; local copy {root})"
+            + (" on a local moto server" if local_server else ""),
             "device": str(device),
             "batch": str(args.batch),
             "threads": f"{args.workers} DALI threads / DataLoader workers; client: "

@@ -63,7 +63,9 @@ def sort_image_files(
     directly in the root, for the hint when there are no class folders."""
     if not class_files:
         hint = (
-            f" It holds {loose} image file(s) directly; move them into one subfolder per class." if loose else empty_hint
+            f" It holds {loose} image file(s) directly; move them into one subfolder per class."
+            if loose
+            else empty_hint
         )
         raise ValueError(f"image folder {root} has no class subfolders (expected root/<class>/<image>).{hint}")
     classes = sorted(class_files)

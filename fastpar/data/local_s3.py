@@ -159,7 +159,9 @@ class _Faults:
         fault = self._take_fault(method, path)
         if fault == "503":
             self._record(method, path, "503")
-            start_response("503 Slow Down", [("Content-Type", "application/xml"), ("Content-Length", str(len(_SLOW_DOWN)))])
+            start_response(
+                "503 Slow Down", [("Content-Type", "application/xml"), ("Content-Length", str(len(_SLOW_DOWN)))]
+            )
             return [_SLOW_DOWN]
         status = []
 

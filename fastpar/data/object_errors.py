@@ -27,7 +27,13 @@ class ObjectReadError(ObjectStoreError):
     """An object could not be read: retries used up, or it changed or vanished after it was listed."""
 
 
-_CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"}
+_CREDENTIAL_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+}
 
 
 def s3_error(exc: Any, what: str, url: ObjectURL, endpoint: str, credential_source: str) -> ObjectStoreError:

@@ -52,7 +52,9 @@ class StoreOptions:
         for name in ("retries", "max_requests", "prefetch_batches", "list_page_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < (0 if name == "retries" else 1):
-                raise ValueError(f"StoreOptions.{name} must be an integer >= {0 if name == 'retries' else 1}, got {value!r}")
+                raise ValueError(
+                    f"StoreOptions.{name} must be an integer >= {0 if name == 'retries' else 1}, got {value!r}"
+                )
         for name in ("backoff_s", "max_backoff_s", "connect_timeout_s", "read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"StoreOptions.{name} must be positive, got {getattr(self, name)!r}")
@@ -236,7 +238,9 @@ class S3Store:
         condition = {"IfMatch": f'"{info.version}"'} if info.version else {}
 
         def attempt() -> bytes:
-            response = self._call(f"reading {info.url}", lambda: client.get_object(Bucket=self.url.bucket, Key=info.key, **condition))
+            response = self._call(
+                f"reading {info.url}", lambda: client.get_object(Bucket=self.url.bucket, Key=info.key, **condition)
+            )
             try:
                 body = response["Body"].read()
             except Exception as exc:  # the connection dropped mid-body
