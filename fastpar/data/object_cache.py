@@ -68,10 +68,11 @@ class ObjectCache:
             return None
         if data.size != info.size:  # cannot happen through put(); someone edited the cache
             return None
-        try:
-            os.utime(path)  # least recently used goes first
-        except OSError:
-            pass  # evicted by another rank since the read: the bytes are already here
+        if self.max_bytes is not None:
+            try:
+                os.utime(path)  # least recently used goes first
+            except OSError:
+                pass  # evicted by another rank since the read: the bytes are already here
         return data
 
     def put(self, info: ObjectInfo, data: bytes) -> None:

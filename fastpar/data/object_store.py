@@ -130,6 +130,7 @@ class S3Store:
 
     def __init__(self, url: ObjectURL, options: StoreOptions):
         self.url, self.options, self.stats = url, options, StoreStats()
+        self.credential_source = "?"  # where the client found credentials (env, iam-role, ...): for messages
         self._client: Any = None
         self._pid = -1
         self._lock = threading.Lock()
@@ -200,7 +201,7 @@ class S3Store:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if error.get("Code") in self.RETRY_CODES or status >= 500:
                 raise _Retryable(exc) from exc
-            raise s3_error(exc, what, self.url, self.endpoint, getattr(self, "credential_source", "?")) from exc
+            raise s3_error(exc, what, self.url, self.endpoint, self.credential_source) from exc
         except NoCredentialsError as exc:
             raise StoreAccessError(
                 f"no AWS credentials found for {what}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE "

@@ -79,43 +79,58 @@ class ObjectFiles:
                 self._pid = os.getpid()
             return self._executor
 
+    def cached(self, index: int) -> np.ndarray | None:
+        """The object's bytes if the cache holds them (a local file read: no thread needed)."""
+        if self.cache is None:
+            return None
+        data = self.cache.get(self.objects[index])
+        self.stats.add(**({"cache_hits": 1} if data is not None else {"cache_misses": 1}))
+        return data
+
     def fetch(self, index: int) -> np.ndarray:
-        """One object's bytes: from the cache when it holds them, else from the store (then cached)."""
+        """One object's bytes from the store (cached on the way when there is a cache)."""
         info = self.objects[index]
-        if self.cache is not None:
-            data = self.cache.get(info)
-            if data is not None:
-                self.stats.add(cache_hits=1)
-                return data
-            self.stats.add(cache_misses=1)
         body = self.store.get(info)
         if self.cache is not None:
             self.cache.put(info, body)
         return np.frombuffer(body, dtype=np.uint8)
 
+    def _start(self, indices: Iterable[int]) -> list[np.ndarray | Future]:
+        """Each object's bytes from the cache, or a download started in the pool."""
+        pool, started = self._pool(), []
+        for i in indices:
+            data = self.cached(i)
+            started.append(data if data is not None else pool.submit(self.fetch, i))
+        return started
+
+    @staticmethod
+    def _wait(started: list[np.ndarray | Future]) -> list[np.ndarray]:
+        return [item.result() if isinstance(item, Future) else item for item in started]
+
     def read(self, indices: Iterable[int]) -> list[np.ndarray]:
-        return list(self._pool().map(self.fetch, indices))
+        return self._wait(self._start(indices))
 
     def batches(self, index_lists: Iterable[Sequence[int]]) -> Iterator[list[np.ndarray]]:
-        pool, pending = self._pool(), deque()
+        pending: deque[list[np.ndarray | Future]] = deque()
         lists = iter(index_lists)
 
         def submit() -> None:
             indices = next(lists, None)
             if indices is not None:
-                pending.append([pool.submit(self.fetch, i) for i in indices])
+                pending.append(self._start(indices))
 
         for _ in range(self.options.prefetch_batches + 1):
             submit()
         try:
             while pending:
-                futures: list[Future] = pending.popleft()
+                started = pending.popleft()
                 submit()
-                yield [f.result() for f in futures]
+                yield self._wait(started)
         finally:  # an abandoned pass (break, an error) leaves no downloads queued behind it
-            for futures in pending:
-                for f in futures:
-                    f.cancel()
+            for started in pending:
+                for item in started:
+                    if isinstance(item, Future):
+                        item.cancel()
 
     def describe(self) -> str:
         cache = f", cache {self.cache.root}" if self.cache is not None else ""
