@@ -21,6 +21,9 @@ _EXTRAS = {
     "cupy": ("cupy", "CuPy"),
     "cupy_backends.cuda.libs.nvrtc": ("cupy", "CuPy's NVRTC binding"),
     "submitit": ("jobs", "submitit"),
+    "boto3": ("s3", "boto3 (the AWS SDK for Python)"),
+    "fsspec": ("s3", "fsspec"),
+    "moto": ("s3-test", "moto[server]"),
 }
 
 

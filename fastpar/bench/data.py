@@ -48,10 +48,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--count", type=int, default=600, help="images to generate (default 600)")
     group.add_argument("--image-size", default="500x375", help="generated image WIDTHxHEIGHT (default 500x375)")
     group.add_argument("--images", help="use this class-folder of JPEGs instead of generating one")
+    group.add_argument("--root", help="a class folder, or an object-store URL (s3://bucket/prefix) to read against "
+                       "a local copy of it (the goals of issue 14)")  # fmt: skip
+    group.add_argument("--local-s3", action="store_true", help="serve the generated images from a local moto S3 "
+                       "server and read them from it, against the local folder")  # fmt: skip
     group.add_argument("--workers", type=int, default=2, help="DALI threads = DataLoader workers (default 2)")
     group.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     group.add_argument("--size", type=int, default=224, help="crop size (default 224)")
-    parser.epilog = "-n counts epochs per round; each pipeline runs -w warm-up epochs first."
+    parser.epilog = (
+        "-n counts epochs per round; each pipeline runs -w warm-up epochs first. With --local-s3 or an s3:// --root, "
+        "-n epochs run back to back (default 3)."
+    )
 
 
 def _cpu_seconds() -> float:
@@ -167,6 +174,13 @@ def run(args: argparse.Namespace) -> BenchReport:
     if args.size < 8:
         raise BenchUsageError(f"--size must be at least 8, got {args.size}")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    from . import data_remote
+
+    if data_remote.wants_remote(args):
+        data_remote.check(args)
+        torch.set_num_threads(args.threads)
+        return data_remote.run(args, device, lambda: image_folder(args))
+    args.images = args.images or args.root
     root = image_folder(args)
     torch.set_num_threads(args.threads)
     calls, produced, notes = _pipelines(root, args, device)

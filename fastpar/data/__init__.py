@@ -1,8 +1,8 @@
 """Input pipelines for data-parallel training.
 
-``image_loader`` reads a folder of class subfolders through DALI (GPU decoding with a GPU, CPU
-threads without) or a torch DataLoader fallback; ``array_loader`` and ``iterable_loader`` batch data
-already in Python. All of them share one epoch plan (``fastpar.data.sharding``): equal batch counts on
+``image_loader`` reads a folder of class subfolders, local or in an object store (``s3://bucket/prefix``),
+through DALI (GPU decoding with a GPU, CPU threads without) or a torch DataLoader fallback;
+``array_loader`` and ``iterable_loader`` batch data already in Python. All of them share one epoch plan (``fastpar.data.sharding``): equal batch counts on
 every rank, ``set_epoch`` reshuffles, ``state_dict``/``load_state_dict`` resume exactly.
 """
 
@@ -11,17 +11,24 @@ from __future__ import annotations
 from .arrays import ArrayLoader, SequenceLoader, StreamLoader, array_loader, iterable_loader
 from .folder import ImageFolder, scan_image_folder
 from .loader import ImageLoader, image_loader
+from .object_errors import BucketNotFoundError, ObjectReadError, ObjectStoreError, StoreAccessError
+from .object_store import StoreOptions
 from .sharding import ShardSpec, num_batches, rank_batches
 from .synthetic import make_image_folder
 from .transforms import CorruptImageError
 
 __all__ = [
     "ArrayLoader",
+    "BucketNotFoundError",
     "CorruptImageError",
     "ImageFolder",
     "ImageLoader",
+    "ObjectReadError",
+    "ObjectStoreError",
     "SequenceLoader",
     "ShardSpec",
+    "StoreAccessError",
+    "StoreOptions",
     "StreamLoader",
     "array_loader",
     "image_loader",

@@ -25,13 +25,27 @@ cost: between epochs a loader holds a second pipeline with ``prefetch_queue_dept
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from .._optional import require
-from .transforms import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, RRC_RATIO, RRC_SCALE, CorruptImageError
+from .._optional import available, require
+from .object_errors import ObjectReadError, ObjectStoreError
+from .object_store import StoreOptions
+from .sources import LocalFiles, ObjectFiles
+from .transforms import (
+    EVAL_CROP_FRACTION,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    RRC_RATIO,
+    RRC_SCALE,
+    CorruptImageError,
+    decode_rgb,
+)
 
 
 def _dali():
@@ -108,8 +122,54 @@ def bare_pipeline(
     return pipe
 
 
-def _read_bytes(paths: Sequence[str]) -> list[np.ndarray]:
-    return [np.fromfile(path, dtype=np.uint8) for path in paths]
+@functools.cache
+def dali_reads_s3() -> bool:
+    """Whether the installed DALI reads ``s3://`` paths itself: ``fn.io.file.read`` and its bundled AWS SDK."""
+    if not available("nvidia.dali"):
+        return False
+    from nvidia.dali import fn
+
+    dali_dir = Path(_dali().__file__).parent
+    has_sdk = any(dali_dir.glob("**/libaws-cpp-sdk-s3*.so*"))
+    return has_sdk and hasattr(fn, "io") and hasattr(fn.io, "file") and hasattr(fn.io.file, "read")
+
+
+# AWS_ENDPOINT_URL when this process first built a pipeline with DALI's S3 reader: DALI makes its S3 client
+# once per process, with the endpoint of that moment, and keeps it
+_dali_endpoint: list[str | None] = []
+
+
+def dali_should_read(source: LocalFiles | ObjectFiles, storage: StoreOptions) -> bool:
+    """Whether DALI's own S3 reader fetches ``source``'s objects: only when asked (``reader="dali"``).
+
+    "auto" is the client, which feeds the same pipeline: DALI 2.4's reader sends a HEAD and a GET per
+    object, fetches at most ``num_threads`` at once, cannot fill a cache and takes its endpoint from
+    ``AWS_ENDPOINT_URL`` once per process (see the README). Asked for where it cannot work, it is an error.
+    """
+    if not isinstance(source, ObjectFiles) or storage.reader != "dali":
+        return False
+    why_not = []
+    if source.store.url.scheme != "s3":
+        why_not.append(f"it reads s3:// only, not {source.store.url.scheme}://")
+    if source.cache is not None:
+        why_not.append("it cannot fill cache_dir")
+    if storage.endpoint_url and storage.endpoint_url != os.environ.get("AWS_ENDPOINT_URL"):
+        why_not.append("it takes the endpoint from AWS_ENDPOINT_URL only; set that instead of endpoint_url=")
+    if _dali_endpoint and _dali_endpoint[0] != os.environ.get("AWS_ENDPOINT_URL"):
+        why_not.append(f"it already talks to {_dali_endpoint[0] or 'AWS'} in this process (DALI reads AWS_ENDPOINT_URL "
+                       f"once), and AWS_ENDPOINT_URL is now {os.environ.get('AWS_ENDPOINT_URL') or 'unset'}")  # fmt: skip
+    if storage.anonymous:
+        why_not.append("it cannot send anonymous requests")
+    if not dali_reads_s3():
+        why_not.append("the installed DALI has no S3 support (fn.io.file.read with its AWS SDK)")
+    if why_not:
+        raise ValueError("StoreOptions(reader='dali') cannot be used here: DALI's S3 reader " + "; ".join(why_not))
+    return True
+
+
+def _encoded_names(names: Sequence[str]) -> list[np.ndarray]:
+    """Paths/URLs as the uint8 arrays ``fn.io.file.read`` takes."""
+    return [np.frombuffer(name.encode(), dtype=np.uint8) for name in names]
 
 
 def _pipeline_seed(seed: int, epoch: int, rank: int, first_batch: int) -> int:
@@ -124,7 +184,7 @@ class DaliImageBackend:
 
     def __init__(
         self,
-        files: Sequence[str],
+        source: LocalFiles | ObjectFiles,
         labels: Sequence[int],
         *,
         batch_size: int,
@@ -138,9 +198,13 @@ class DaliImageBackend:
         std: Sequence[float],
         skip_corrupt: bool,
         prefetch_queue_depth: int = 2,
+        dali_reads: bool = False,
+        read_retries: int = 0,
     ):
         _dali()
-        self.files, self.labels = list(files), np.asarray(labels, dtype=np.int64)
+        self.source, self.labels = source, np.asarray(labels, dtype=np.int64)
+        self.dali_reads = dali_reads  # DALI's own S3 reader fetches the objects (fn.io.file.read on URLs)
+        self.read_retries = read_retries  # passes restarted after DALI's reader fails on readable objects
         self.batch_size, self.size, self.train, self.seed, self.rank = batch_size, size, train, seed, rank
         self.num_threads, self.device, self.mean, self.std = num_threads, device, tuple(mean), tuple(std)
         self.skip_corrupt, self.prefetch_queue_depth = skip_corrupt, prefetch_queue_depth
@@ -152,14 +216,21 @@ class DaliImageBackend:
     def _build(self, batches: list[np.ndarray], seed: int):
         from nvidia.dali import fn, pipeline_def, types
 
-        chunks = iter([[self.files[i] for i in indices] for indices in batches])
+        if self.dali_reads:
+            if not _dali_endpoint:
+                _dali_endpoint.append(os.environ.get("AWS_ENDPOINT_URL"))
+            chunks = iter([_encoded_names([self.source.names[i] for i in indices]) for indices in batches])
+        else:
+            chunks = self.source.batches([indices.tolist() for indices in batches])  # objects: fetched ahead
 
         def next_batch() -> list[np.ndarray]:
-            return _read_bytes(next(chunks))  # StopIteration ends DALI's prefetching, which runs ahead
+            return next(chunks)  # StopIteration ends DALI's prefetching, which runs ahead
 
         @pipeline_def
         def graph():
             encoded = fn.external_source(source=next_batch, batch=True, dtype=types.UINT8, ndim=1, no_copy=True)
+            if self.dali_reads:
+                encoded = fn.io.file.read(encoded, dont_use_mmap=True)  # DALI's S3 client: HEAD + GET per object
             decoder_device = "cpu" if self.device_id is None else "mixed"
             return augment(
                 encoded, train=self.train, size=self.size, decoder_device=decoder_device, mean=self.mean, std=self.std
@@ -197,18 +268,23 @@ class DaliImageBackend:
         same by running on into the next epoch). It is the pipeline a fresh start of that pass would
         build, with the same seed, so the batches are identical; a pass that asks for anything else drops it.
         """
-        done = 0
+        done, read_failures = 0, 0
         while done < len(batches):
             try:
                 yield from self._run(epoch, batches, done, next_pass)
                 return
             except _DecodeFailure as failure:
                 done = failure.batch
-                bad = self._find_corrupt(batches[done:], failure)
+                bad = self._find_corrupt(batches[done:])
+                if not bad and self.dali_reads and read_failures < self.read_retries:
+                    read_failures += 1  # every object reads and decodes: DALI's S3 reader failed to fetch; go on
+                    continue
+                if not bad:  # DALI failed on files PIL reads: do not retry forever, report the whole batch
+                    raise self._unlocated_error(set(batches[done][0].tolist()), failure.cause) from failure.cause
                 if not self.skip_corrupt:
                     raise self._corrupt_error(bad, failure.cause) from failure.cause
                 self.corrupt.update(bad)
-                on_corrupt([self.files[i] for i in sorted(bad)])
+                on_corrupt([self.source.names[i] for i in sorted(bad)])
 
     def _kept(self, batches: list[tuple[np.ndarray, np.ndarray]]) -> list[np.ndarray]:
         """The planned sample indices without the files already found corrupt."""
@@ -261,6 +337,8 @@ class DaliImageBackend:
                             pipe.schedule_run()
                         first = False
                         (dali_images,) = pipe.outputs()
+                    except ObjectStoreError:
+                        raise  # the client gave up on an object (its message names it): not a decoding problem
                     except Exception as exc:  # DALI raises RuntimeError for undecodable data
                         raise _DecodeFailure(k, exc) from exc
                     images = self._to_torch(dali_images)
@@ -270,34 +348,39 @@ class DaliImageBackend:
         finally:
             del pipe
 
-    def _find_corrupt(self, batches: list[tuple[np.ndarray, np.ndarray]], failure: _DecodeFailure) -> set[int]:
+    def _find_corrupt(self, batches: list[tuple[np.ndarray, np.ndarray]]) -> set[int]:
         """The undecodable samples among the failed batch and those DALI had prefetched after it."""
-        image_module = require("PIL.Image", extra="dev", purpose="locating a corrupt image")
         bad = set()
         for indices, _ in batches[: self.prefetch_queue_depth + 1]:
-            for index in indices.tolist():
-                if index in self.corrupt:
-                    continue
+            candidates = [i for i in indices.tolist() if i not in self.corrupt]
+            # objects: read again through the client (retrying); one that cannot be read raises here, by name
+            for index, data in zip(candidates, self.source.read(candidates), strict=True):
                 try:
-                    with image_module.open(self.files[index]) as img:
-                        img.load()
-                except Exception:
+                    decode_rgb(data, self.source.names[index])
+                except CorruptImageError:
                     bad.add(index)
-        if not bad:  # DALI failed on files PIL reads: do not retry forever, report the whole batch
-            raise self._corrupt_error(set(batches[0][0].tolist()), failure.cause, located=False) from failure.cause
         return bad
 
-    def _corrupt_error(self, indices: set[int], cause: BaseException, located: bool = True) -> CorruptImageError:
-        paths = ", ".join(self.files[i] for i in sorted(indices))
-        if located:
-            return CorruptImageError(
-                f"cannot decode image(s) {paths} (DALI: {str(cause).splitlines()[0]}). Remove or replace them, "
-                "or pass on_corrupt='skip' to skip undecodable images"
+    def _corrupt_error(self, indices: set[int], cause: BaseException) -> CorruptImageError:
+        paths = ", ".join(self.source.names[i] for i in sorted(indices))
+        return CorruptImageError(
+            f"cannot decode image(s) {paths} (DALI: {str(cause).splitlines()[0]}). Remove or replace them, "
+            "or pass on_corrupt='skip' to skip undecodable images"
+        )
+
+    def _unlocated_error(self, indices: set[int], cause: BaseException) -> Exception:
+        paths = ", ".join(self.source.names[i] for i in sorted(indices))
+        if self.dali_reads:
+            return ObjectReadError(
+                f"DALI's S3 reader failed {self.read_retries + 1} times on a batch of these objects, which the "
+                f"client reads and decodes: {paths}: {cause}. Pass StoreOptions(reader='client') to fetch with the client"
             )
         return CorruptImageError(f"DALI failed on a batch of these files: {paths}: {cause}")
 
     def describe(self) -> str:
-        return f"dali ({'mixed, GPU ' + str(self.device_id) if self.device_id is not None else 'cpu'})"
+        device = f"mixed, GPU {self.device_id}" if self.device_id is not None else "cpu"
+        reads = "DALI's S3 reader" if self.dali_reads else self.source.describe()
+        return f"dali ({device}, {reads})"
 
 
 class _DecodeFailure(Exception):

@@ -16,7 +16,7 @@ _IGNORED_NAMES = {".DS_Store", "Thumbs.db", "desktop.ini"}
 class ImageFolder:
     """The files of one image folder with their labels (``labels[i]`` belongs to ``files[i]``)."""
 
-    root: Path
+    root: Path | str  # a local folder, or the URL of an object-store prefix
     classes: list[str]
     files: list[str] = field(repr=False)
     labels: list[int] = field(repr=False)
@@ -29,7 +29,7 @@ class ImageFolder:
         return len(self.files)
 
 
-def _listing(paths: list[Path], limit: int = 5) -> str:
+def _listing(paths: list, limit: int = 5) -> str:
     shown = ", ".join(str(p) for p in paths[:limit])
     more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
     return shown + more
@@ -48,39 +48,57 @@ def scan_image_folder(root: str | Path, *, strict: bool = True) -> ImageFolder:
         raise FileNotFoundError(f"image folder {root} does not exist")
     if not root.is_dir():
         raise NotADirectoryError(f"image folder {root} is a file; pass the folder that holds one folder per class")
-    class_dirs = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")), key=lambda p: p.name)
-    if not class_dirs:
-        loose = [p for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES]
+    class_dirs = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    loose = sum(1 for p in root.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    class_files = {d.name: [str(p) for p in _walk_files(d)] for d in class_dirs}
+    classes, files, labels = sort_image_files(str(root), class_files, loose=loose, strict=strict)
+    return ImageFolder(root=root, classes=classes, files=files, labels=labels)
+
+
+def sort_image_files(
+    root: str, class_files: dict[str, list[str]], *, loose: int, strict: bool, empty_hint: str = " It is empty."
+) -> tuple[list[str], list[str], list[int]]:
+    """(classes, files, labels) from the files of each class folder (local paths or object URLs, each
+    list in order): the policy shared by local folders and object stores. ``loose``: images found
+    directly in the root, for the hint when there are no class folders."""
+    if not class_files:
         hint = (
-            f" It holds {len(loose)} image file(s) directly; move them into one subfolder per class."
+            f" It holds {loose} image file(s) directly; move them into one subfolder per class."
             if loose
-            else " It is empty."
+            else empty_hint
         )
         raise ValueError(f"image folder {root} has no class subfolders (expected root/<class>/<image>).{hint}")
+    classes = sorted(class_files)
     files: list[str] = []
     labels: list[int] = []
-    unsupported: list[Path] = []
-    for label, class_dir in enumerate(class_dirs):
-        for path in _walk_files(class_dir):
-            if path.suffix.lower() in IMAGE_SUFFIXES:
-                files.append(str(path))
+    unsupported: list[str] = []
+    for label, name in enumerate(classes):
+        for path in class_files[name]:
+            if _suffix(path) in IMAGE_SUFFIXES:
+                files.append(path)
                 labels.append(label)
-            elif path.name not in _IGNORED_NAMES:
+            elif path.rsplit("/", 1)[-1] not in _IGNORED_NAMES:
                 unsupported.append(path)
     if unsupported:
         message = f"{len(unsupported)} file(s) under {root} are not {'/'.join(IMAGE_SUFFIXES)} images: {_listing(unsupported)}"
         if strict:
             raise ValueError(message + ". Remove or convert them, or pass strict=False to skip them.")
-        warnings.warn(message + "; skipping them.", stacklevel=2)
+        warnings.warn(message + "; skipping them.", stacklevel=3)
+    folders = [f"{root.rstrip('/')}/{name}" for name in classes]
     if not files:
         raise ValueError(
-            f"image folder {root} has {len(class_dirs)} class folder(s) ({_listing(class_dirs, 3)}) but no "
+            f"image folder {root} has {len(classes)} class folder(s) ({_listing(folders, 3)}) but no "
             f"{'/'.join(IMAGE_SUFFIXES)} images in them"
         )
-    empty = [d for d, n in zip(class_dirs, _counts(labels, len(class_dirs)), strict=True) if n == 0]
+    empty = [d for d, n in zip(folders, _counts(labels, len(classes)), strict=True) if n == 0]
     if empty:
-        warnings.warn(f"{len(empty)} class folder(s) hold no images: {_listing(empty)}", stacklevel=2)
-    return ImageFolder(root=root, classes=[d.name for d in class_dirs], files=files, labels=labels)
+        warnings.warn(f"{len(empty)} class folder(s) hold no images: {_listing(empty)}", stacklevel=3)
+    return classes, files, labels
+
+
+def _suffix(path: str) -> str:
+    name = path.rsplit("/", 1)[-1]
+    return name[name.rfind(".") :].lower() if "." in name else ""
 
 
 def _walk_files(folder: Path) -> list[Path]:

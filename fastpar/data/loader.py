@@ -12,6 +12,7 @@ except the one right after ``load_state_dict``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Iterator, Sequence
@@ -21,8 +22,9 @@ from typing import Any
 import torch
 
 from .._optional import available
-from .folder import scan_image_folder
+from .object_store import StoreOptions
 from .sharding import ShardSpec, rank_batches
+from .sources import open_image_source
 from .transforms import IMAGENET_MEAN, IMAGENET_STD
 
 ON_CORRUPT = ("raise", "skip")
@@ -192,8 +194,19 @@ def image_loader(
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,
     strict: bool = True,
+    cache_dir: str | Path | None = None,
+    cache_max_bytes: int | str | None = None,
+    endpoint_url: str | None = None,
+    storage: StoreOptions | None = None,
 ) -> ImageLoader:
     """A loader over ``root/<class>/<image>`` (JPEG/PNG) for this rank of a data-parallel job.
+
+    ``root`` is a local folder or an object-store URL: ``s3://bucket/prefix`` (boto3; credentials from
+    the standard AWS chain; endpoint ``endpoint_url`` or ``AWS_ENDPOINT_URL`` for MinIO/Ceph/...) or
+    another fsspec URL. The bucket is listed once (rank 0, broadcast) and each rank fetches only its
+    shard, many requests at once, with retries. ``cache_dir``: keep fetched objects on local disk (shared
+    by the ranks; at most ``cache_max_bytes``, e.g. "50G"), so later epochs read from disk. ``storage``:
+    the rest (retries, requests in flight, which reader DALI uses): see ``fastpar.data.StoreOptions``.
 
     Yields ``(images, labels)``: float32 ``(B, 3, size, size)`` normalised with ``mean``/``std`` and int64
     ``(B,)``, on ``device`` (default: this rank's current GPU if any, else CPU). ``train=True``: random
@@ -211,8 +224,10 @@ def image_loader(
         raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}")
     if size < 1:
         raise ValueError(f"size must be a positive number of pixels, got {size}")
-    folder = scan_image_folder(root, strict=strict)
     rank, world_size = resolve_rank(rank, world_size)
+    storage = dataclasses.replace(storage or StoreOptions(), **({"endpoint_url": endpoint_url} if endpoint_url else {}))
+    folder, source = open_image_source(root, strict=strict, world_size=world_size, cache_dir=cache_dir,
+                                       cache_max_bytes=cache_max_bytes, storage=storage)  # fmt: skip
     spec = ShardSpec(len(folder), batch_size, rank, world_size, seed, train if shuffle is None else shuffle, last_batch)
     device = resolve_device(device)
     threads = default_num_threads() if num_threads is None else num_threads
@@ -220,21 +235,23 @@ def image_loader(
         backend = "dali" if available("nvidia.dali") else "torch"
     common = dict(size=size, train=train, seed=seed, device=device, mean=tuple(mean), std=tuple(std))
     if backend == "dali":
-        from .dali_backend import DaliImageBackend
+        from .dali_backend import DaliImageBackend, dali_should_read
 
         impl = DaliImageBackend(
-            folder.files,
+            source,
             folder.labels,
             batch_size=batch_size,
             rank=rank,
             num_threads=max(1, threads),
             skip_corrupt=on_corrupt == "skip",
+            dali_reads=dali_should_read(source, storage),
+            read_retries=storage.retries,
             **common,
         )
     else:
         from .torch_backend import TorchImageBackend
 
         impl = TorchImageBackend(
-            folder.files, folder.labels, num_workers=threads, skip_corrupt=on_corrupt == "skip", **common
+            source, folder.labels, num_workers=threads, skip_corrupt=on_corrupt == "skip", **common
         )
     return ImageLoader(spec, impl, folder, on_corrupt)

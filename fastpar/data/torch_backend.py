@@ -14,40 +14,46 @@ import numpy as np
 import torch
 
 from .sharding import sample_seeds
+from .sources import LocalFiles, ObjectFiles
 from .transforms import CorruptImageError, load_transformed, normalize_batch
 
 
 class _BatchDecoder(torch.utils.data.Dataset):
     """Dataset whose items are planned batches: (epoch, sample indices, positions) -> decoded batch."""
 
-    def __init__(self, files: Sequence[str], labels: np.ndarray, size: int, train: bool, seed: int, skip: bool):
-        self.files, self.labels, self.size, self.train, self.seed, self.skip = files, labels, size, train, seed, skip
+    def __init__(self, source: LocalFiles | ObjectFiles, labels: np.ndarray, size: int, train: bool, seed: int,
+                 skip: bool):  # fmt: skip
+        self.source, self.labels, self.size, self.train, self.seed, self.skip = source, labels, size, train, seed, skip
 
     def __getitem__(
         self, item: tuple[int, np.ndarray, np.ndarray]
-    ) -> tuple[torch.Tensor, torch.Tensor, list[str], str]:
-        """(images (B, H, W, 3) uint8, labels, skipped paths, error message or "")."""
+    ) -> tuple[torch.Tensor, torch.Tensor, list[str], Exception | None]:
+        """(images (B, H, W, 3) uint8, labels, skipped names, the error that stops the epoch or None)."""
         epoch, indices, positions = item
         seeds = sample_seeds(self.seed, epoch, positions)
         pixels, kept, corrupt = [], [], []
-        for index, seed in zip(indices.tolist(), seeds.tolist(), strict=True):
-            try:
-                pixels.append(load_transformed(self.files[index], self.size, self.train, seed))
-                kept.append(index)
-            except CorruptImageError as exc:
-                if not self.skip:
-                    # Returned, not raised: a worker's exception reaches the user wrapped in DataLoader's
-                    # "Caught ... in DataLoader worker process" text; the main process raises it plainly.
-                    return torch.empty(0), torch.empty(0), [], str(exc)
-                corrupt.append(self.files[index])
+        try:
+            encoded = self.source.read(indices.tolist())  # objects: fetched in parallel
+            for index, data, seed in zip(indices.tolist(), encoded, seeds.tolist(), strict=True):
+                try:
+                    pixels.append(load_transformed(data, self.source.names[index], self.size, self.train, seed))
+                    kept.append(index)
+                except CorruptImageError:
+                    if not self.skip:
+                        raise
+                    corrupt.append(self.source.names[index])
+        except (CorruptImageError, OSError) as exc:
+            # Returned, not raised: a worker's exception reaches the user wrapped in DataLoader's
+            # "Caught ... in DataLoader worker process" text; the main process raises it plainly.
+            return torch.empty(0), torch.empty(0), [], exc
         if pixels:
             images = torch.from_numpy(np.stack(pixels))  # (B, H, W, 3) uint8
         else:
             images = torch.empty((0, self.size, self.size, 3), dtype=torch.uint8)
-        return images, torch.from_numpy(self.labels[kept]), corrupt, ""
+        return images, torch.from_numpy(self.labels[kept]), corrupt, None
 
     def __len__(self) -> int:  # not used for sampling (the sampler is the plan); keeps DataLoader happy
-        return len(self.files)
+        return len(self.source.names)
 
 
 class TorchImageBackend:
@@ -57,7 +63,7 @@ class TorchImageBackend:
 
     def __init__(
         self,
-        files: Sequence[str],
+        source: LocalFiles | ObjectFiles,
         labels: Sequence[int],
         *,
         size: int,
@@ -69,7 +75,8 @@ class TorchImageBackend:
         std: tuple[float, ...],
         skip_corrupt: bool,
     ):
-        self.decoder = _BatchDecoder(list(files), np.asarray(labels, dtype=np.int64), size, train, seed, skip_corrupt)
+        self.source = source
+        self.decoder = _BatchDecoder(source, np.asarray(labels, dtype=np.int64), size, train, seed, skip_corrupt)
         self.num_workers, self.device, self.mean, self.std = num_workers, device, mean, std
 
     def iterate(
@@ -85,15 +92,20 @@ class TorchImageBackend:
             pin_memory=self.device.type == "cuda",
             prefetch_factor=2 if self.num_workers else None,
         )
-        error = ""
+        error = None
         for images, labels, corrupt, error in loader:
-            if error:
+            if error is not None:
                 break
             if corrupt:
                 on_corrupt(corrupt)
             yield normalize_batch(images, self.mean, self.std, self.device), labels.to(self.device, non_blocking=True)
-        if error:  # raised after the loop, once the DataLoader's workers are shut down
+        if error is not None:  # raised after the loop, once the DataLoader's workers are shut down
             del loader
-            raise CorruptImageError(
-                error + "; remove or replace it, or pass on_corrupt='skip' to skip undecodable images"
-            )
+            if isinstance(error, CorruptImageError):
+                raise CorruptImageError(
+                    f"{error}; remove or replace it, or pass on_corrupt='skip' to skip undecodable images"
+                )
+            raise error
+
+    def describe(self) -> str:
+        return f"torch ({self.num_workers} workers, {self.source.describe()})"

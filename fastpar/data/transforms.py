@@ -7,6 +7,7 @@ on whole batches (on the GPU when there is one), so workers ship uint8.
 
 from __future__ import annotations
 
+import io
 import math
 import random
 
@@ -69,16 +70,24 @@ def _to_rgb(img, image_module):
     return img.convert("RGB")
 
 
-def load_transformed(path: str, size: int, train: bool, seed: int) -> np.ndarray:
-    """Decode ``path`` and return the (size, size, 3) uint8 crop; raises CorruptImageError with the path."""
+def decode_rgb(data: np.ndarray | bytes, name: str):
+    """The encoded image ``data`` (file or object bytes) as an upright RGB PIL image; raises
+    CorruptImageError naming ``name`` (its path or URL)."""
     from .._optional import require
 
-    image_module = require("PIL.Image", extra="dev", purpose="the torch data backend")
+    image_module = require("PIL.Image", extra="dev", purpose="decoding images on the CPU")
     try:
-        with image_module.open(path) as img:
-            img = _to_rgb(img, image_module)
+        with image_module.open(io.BytesIO(data)) as img:
+            return _to_rgb(img, image_module)
     except Exception as exc:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError, ...)
-        raise CorruptImageError(f"cannot decode image {path}: {type(exc).__name__}: {exc}") from None
+        raise CorruptImageError(f"cannot decode image {name}: {type(exc).__name__}: {exc}") from None
+
+
+def load_transformed(data: np.ndarray | bytes, name: str, size: int, train: bool, seed: int) -> np.ndarray:
+    """Decode ``data`` and return the (size, size, 3) uint8 crop; raises CorruptImageError naming ``name``."""
+    from PIL import Image as image_module
+
+    img = decode_rgb(data, name)
     width, height = img.size
     if train:
         rng = random.Random(seed)

@@ -1,6 +1,7 @@
 """Turn ``train_data``/``validation_data`` into a per-rank loader that can resume mid-epoch.
 
-Accepted: a folder of class subfolders (``fastpar.data.image_loader``), ``(x, y)`` arrays, a torch
+Accepted: a folder of class subfolders or an object-store URL such as ``s3://bucket/prefix``
+(``fastpar.data.image_loader``; ``TrainingOptions.data_cache_dir`` caches the objects), ``(x, y)`` arrays, a torch
 ``Dataset``, a factory ``fn(rank, world_size) -> loader``, or a loader object. Every rank sees a disjoint
 shard in an order fixed by ``(seed, epoch)``, and training shards have equal length on every rank so no
 rank waits in a collective the others never reach.
@@ -26,6 +27,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 
 from ..data.loader import PlannedLoader
 from ..data.sharding import ShardSpec
+from ..data.urls import ObjectURL, is_url, local_path
 
 
 def describe(data: Any) -> str:
@@ -49,15 +51,19 @@ def describe(data: Any) -> str:
 
 
 def check_exists(data: Any, what: str) -> None:
-    """Raise FileNotFoundError before any worker starts when a folder source does not exist."""
-    if describe(data) == "folder" and not Path(data).is_dir():
+    """Raise FileNotFoundError before any worker starts when a folder source does not exist (an object-store
+    URL is checked for its form here; rank 0 lists it once the workers run)."""
+    if describe(data) == "folder" and is_url(data):
+        ObjectURL.parse(str(data))
+    elif describe(data) == "folder" and not local_path(data).is_dir():
         raise FileNotFoundError(
             f"{what}={str(data)!r} is not a folder; pass a folder with one subfolder of images per class"
         )
 
 
 def make_loader(data: Any, *, train: bool, batch_size: int, rank: int, world_size: int, seed: int,
-                image_size: int | None, threads: int | None, device: torch.device) -> Any:  # fmt: skip
+                image_size: int | None, threads: int | None, device: torch.device,
+                cache_dir: str | None = None) -> Any:  # fmt: skip
     """The loader rank ``rank`` iterates for ``data`` (fastpar.data's loaders for folders, arrays, datasets).
 
     Training drops the last partial batch (equal, full steps on every rank); validation sees every sample once.
@@ -69,8 +75,9 @@ def make_loader(data: Any, *, train: bool, batch_size: int, rank: int, world_siz
     last_batch = "drop" if train else "partial"
     if kind == "folder":
         size = {} if image_size is None else {"size": image_size}
+        cache = {"cache_dir": cache_dir} if cache_dir is not None and is_url(data) else {}
         return fpdata.image_loader(str(data), batch_size, train=train, num_threads=threads, last_batch=last_batch,
-                                   **size, **common)  # fmt: skip
+                                   **size, **cache, **common)  # fmt: skip
     if kind == "arrays":
         x, y = data
         return fpdata.array_loader(x, y, batch_size, shuffle=train, last_batch=last_batch, **common)

@@ -60,6 +60,7 @@ class Run:
         threads = opts.data_threads if opts.data_threads is not None else (None if device.type == "cuda" else 0)
         loader_args = dict(batch_size=opts.batch_size, rank=rank, world_size=world_size, seed=opts.seed,
                            image_size=opts.image_size, threads=threads, device=device)  # fmt: skip
+        loader_args["cache_dir"] = opts.data_cache_dir  # object-store data: a local cache shared by the ranks
         self.train_loader = make_loader(job.train_data, train=True, **loader_args)
         self.val_loader = (
             make_loader(opts.validation_data, train=False, **loader_args) if opts.validation_data is not None else None

@@ -59,6 +59,7 @@ class TrainingOptions:
     data_threads: int | None = (
         None  # image decoding: DALI threads / DataLoader workers (None: 0 on CPU, loader default on GPU)
     )
+    data_cache_dir: str | None = None  # s3:// (object-store) data: keep fetched objects here, shared by the ranks
 
     # watching it
     log_every: int = 10  # steps between logged metrics (metrics.jsonl, progress bar, plot)
