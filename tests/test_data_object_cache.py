@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fastpar._spawn import spawn
 from fastpar.data.object_cache import ObjectCache, parse_size
 from fastpar.data.object_store import ObjectInfo, StoreOptions
 from fastpar.data.urls import ObjectURL, is_url, local_path
+from fastpar.launcher import spawn
 
 
 def info(n: int, size: int = 1000, version: str = "v1") -> ObjectInfo:

@@ -20,11 +20,11 @@ pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
 from fastpar._optional import available  # noqa: E402
-from fastpar._spawn import spawn  # noqa: E402
 from fastpar.data import CorruptImageError, image_loader, make_image_folder, rank_batches  # noqa: E402
 from fastpar.data.local_s3 import LocalS3  # noqa: E402
 from fastpar.data.object_errors import BucketNotFoundError, ObjectReadError, StoreAccessError  # noqa: E402
 from fastpar.data.object_store import StoreOptions  # noqa: E402
+from fastpar.launcher import spawn  # noqa: E402
 
 HAS_DALI = available("nvidia.dali")
 SIZE = 24

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .._optional import require
-from .._spawn import free_port
+from ..launcher import free_port
 
 _SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
               b"<Message>Please reduce your request rate.</Message></Error>")  # fmt: skip
