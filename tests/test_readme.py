@@ -26,6 +26,6 @@ def test_quick_start_is_one_set_up_command_and_one_test_command():
 
 def test_training_example_is_the_example_file():
     example = (ROOT / "examples" / "train_classifier.py").read_text()
-    shown = re.search(r"```python\n(import argparse.*?)```", _section("Training"), flags=re.S)
+    shown = re.search(r"```python\n(import argparse.*?)```", _section("Training: "), flags=re.S)
     assert shown is not None, "README's Training section should show examples/train_classifier.py"
     assert example.endswith(shown.group(1)), "README's excerpt differs from examples/train_classifier.py"
