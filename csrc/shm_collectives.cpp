@@ -1,0 +1,187 @@
+// The same-host collectives as runs of steps over a Group. Chunks are sized to the staging slots (a few hundred KB),
+// so what one rank writes into shared memory is still in cache when the others read it: per rank, memory traffic is
+// close to one read of the input and one write of the output.
+#include "shm_collectives.h"
+
+#include <c10/core/ScalarType.h>
+
+#include <algorithm>
+
+#include "shm_reduce.h"
+
+namespace fastpar::shm {
+namespace {
+
+constexpr int64_t kLine = 64;  // bytes: rank shares start on their own cache line
+// Up to this size an all-reduce on more than two ranks sums whole chunks on every rank (one wait per step) rather
+// than splitting the work (two waits per step, less traffic): latency wins over bandwidth.
+constexpr int64_t kDirectBytes = 64 * 1024;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+int64_t steps_for(int64_t n, int64_t chunk) { return std::max<int64_t>(1, ceil_div(n, chunk)); }
+
+// Elements per rank share of a `len`-element chunk, whole cache lines.
+int64_t share_of(int64_t len, int world, size_t es) {
+  const int64_t line = std::max<int64_t>(1, kLine / static_cast<int64_t>(es));
+  return ceil_div(ceil_div(len, world), line) * line;
+}
+
+// [begin, end) of share q, clipped to the chunk.
+std::pair<int64_t, int64_t> share_range(int q, int64_t share, int64_t len) {
+  return {std::min(len, q * share), std::min(len, (q + 1) * share)};
+}
+
+OpDesc reduce_desc(OpKind kind, int64_t count, Reduction reduction) {
+  OpDesc desc;
+  desc.kind = static_cast<uint32_t>(kind);
+  desc.dtype = static_cast<int32_t>(reduction.dtype);
+  desc.count = count;
+  desc.reduce = reduction.average ? 1 : 0;  // c10d::ReduceOp::AVG / SUM
+  return desc;
+}
+
+}  // namespace
+
+void all_reduce(Group& g, void* data, int64_t numel, Reduction reduction, std::chrono::milliseconds timeout) {
+  const int world = g.world();
+  const int rank = g.rank();
+  const size_t es = c10::elementSize(reduction.dtype);
+  const RingOrder order(world, numel, es);
+  const int64_t chunk = static_cast<int64_t>(g.slot_bytes() / es);
+  const bool direct = world <= 2 || numel * static_cast<int64_t>(es) <= kDirectBytes;
+  char* base = static_cast<char*>(data);
+  uint64_t step = g.begin(reduce_desc(OpKind::kAllReduce, numel, reduction), timeout);
+  const void* src[kMaxRanks];
+  for (int64_t k = 0, steps = steps_for(numel, chunk); k < steps; ++k) {
+    if (k > 0) step = g.next_step();
+    const int64_t lo = k * chunk;
+    const int64_t len = std::min(chunk, numel - lo);
+    char* mine = base + lo * es;
+    if (direct) {
+      copy_bytes(g.stage(rank, step), mine, len * es);
+      g.signal(Counter::kArrive, step);
+      g.wait_all(Counter::kArrive, step);
+      if (k == 0) g.check_same_call(step);
+      for (int q = 0; q < world; ++q) src[q] = q == rank ? mine : g.stage(q, step);
+      reduce_ordered(src, mine, nullptr, len, lo, order, reduction.dtype, reduction.average);
+      g.signal(Counter::kDone, step);
+      continue;
+    }
+    // Reduce-scatter then all-gather inside the step: rank q sums share q of everyone's chunk.
+    const int64_t share = share_of(len, world, es);
+    for (int q = 0; q < world; ++q) {
+      const auto [b, e] = share_range(q, share, len);
+      if (q != rank) copy_bytes(g.stage(rank, step) + b * es, mine + b * es, (e - b) * es);
+    }
+    g.signal(Counter::kArrive, step);
+    g.wait_all(Counter::kArrive, step);
+    if (k == 0) g.check_same_call(step);
+    const auto [b, e] = share_range(rank, share, len);
+    for (int q = 0; q < world; ++q) src[q] = (q == rank ? mine : g.stage(q, step)) + b * es;
+    reduce_ordered(src, mine + b * es, g.result(step) + b * es, e - b, lo + b, order, reduction.dtype,
+                   reduction.average);
+    g.signal(Counter::kReduced, step);
+    g.wait_all(Counter::kReduced, step);
+    for (int q = 0; q < world; ++q) {
+      const auto [qb, qe] = share_range(q, share, len);
+      if (q != rank) copy_bytes(mine + qb * es, g.result(step) + qb * es, (qe - qb) * es);
+    }
+    g.signal(Counter::kDone, step);
+  }
+}
+
+void reduce_scatter(Group& g, const std::vector<const void*>& parts, void* out, int64_t count, int64_t order_numel,
+                    const std::vector<int64_t>& part_offsets, Reduction reduction, std::chrono::milliseconds timeout) {
+  const int world = g.world();
+  const int rank = g.rank();
+  const size_t es = c10::elementSize(reduction.dtype);
+  const RingOrder order(world, order_numel, es);
+  // The staging slot holds one sub-slot per destination rank.
+  const int64_t line = std::max<int64_t>(1, kLine / static_cast<int64_t>(es));
+  const int64_t chunk = static_cast<int64_t>(g.slot_bytes() / es / world) / line * line;
+  uint64_t step = g.begin(reduce_desc(OpKind::kReduceScatter, count, reduction), timeout);
+  const void* src[kMaxRanks];
+  for (int64_t k = 0, steps = steps_for(count, chunk); k < steps; ++k) {
+    if (k > 0) step = g.next_step();
+    const int64_t lo = k * chunk;
+    const int64_t len = std::min(chunk, count - lo);
+    for (int q = 0; q < world; ++q) {
+      if (q != rank) copy_bytes(g.stage(rank, step) + q * chunk * es, static_cast<const char*>(parts[q]) + lo * es, len * es);
+    }
+    g.signal(Counter::kArrive, step);
+    g.wait_all(Counter::kArrive, step);
+    if (k == 0) g.check_same_call(step);
+    for (int q = 0; q < world; ++q) {
+      src[q] = q == rank ? static_cast<const char*>(parts[rank]) + lo * es : g.stage(q, step) + rank * chunk * es;
+    }
+    reduce_ordered(src, static_cast<char*>(out) + lo * es, nullptr, len, part_offsets[rank] + lo, order,
+                   reduction.dtype, reduction.average);
+    g.signal(Counter::kDone, step);
+  }
+}
+
+void all_gather(Group& g, const void* input, const std::vector<void*>& outs, int64_t bytes, int32_t dtype,
+                std::chrono::milliseconds timeout) {
+  const int world = g.world();
+  const int rank = g.rank();
+  const auto chunk = static_cast<int64_t>(g.slot_bytes());
+  OpDesc desc;
+  desc.kind = static_cast<uint32_t>(OpKind::kAllGather);
+  desc.dtype = dtype;
+  desc.count = dtype >= 0 ? bytes / static_cast<int64_t>(c10::elementSize(static_cast<at::ScalarType>(dtype))) : bytes;
+  uint64_t step = g.begin(desc, timeout);
+  const char* in = static_cast<const char*>(input);
+  for (int64_t k = 0, steps = steps_for(bytes, chunk); k < steps; ++k) {
+    if (k > 0) step = g.next_step();
+    const int64_t lo = k * chunk;
+    const int64_t len = std::min(chunk, bytes - lo);
+    copy_bytes(g.stage(rank, step), in + lo, len);
+    copy_bytes(static_cast<char*>(outs[rank]) + lo, in + lo, len);
+    g.signal(Counter::kArrive, step);
+    g.wait_all(Counter::kArrive, step);
+    if (k == 0) g.check_same_call(step);
+    for (int q = 0; q < world; ++q) {
+      if (q != rank) copy_bytes(static_cast<char*>(outs[q]) + lo, g.stage(q, step), len);
+    }
+    g.signal(Counter::kDone, step);
+  }
+}
+
+void broadcast(Group& g, void* data, int64_t bytes, int root, int32_t dtype, std::chrono::milliseconds timeout) {
+  const int rank = g.rank();
+  const auto chunk = static_cast<int64_t>(g.slot_bytes());
+  OpDesc desc;
+  desc.kind = static_cast<uint32_t>(OpKind::kBroadcast);
+  desc.dtype = dtype;
+  desc.count = dtype >= 0 ? bytes / static_cast<int64_t>(c10::elementSize(static_cast<at::ScalarType>(dtype))) : bytes;
+  desc.root = root;
+  uint64_t step = g.begin(desc, timeout);
+  char* base = static_cast<char*>(data);
+  for (int64_t k = 0, steps = steps_for(bytes, chunk); k < steps; ++k) {
+    if (k > 0) step = g.next_step();
+    const int64_t lo = k * chunk;
+    const int64_t len = std::min(chunk, bytes - lo);
+    if (rank == root) {
+      copy_bytes(g.stage(root, step), base + lo, len);
+      g.signal(Counter::kArrive, step);
+    } else {
+      g.wait_rank(Counter::kArrive, root, step);
+      if (k == 0) g.check_same_call(step, root);
+      copy_bytes(base + lo, g.stage(root, step), len);
+    }
+    g.signal(Counter::kDone, step);
+  }
+}
+
+void barrier(Group& g, std::chrono::milliseconds timeout) {
+  OpDesc desc;
+  desc.kind = static_cast<uint32_t>(OpKind::kBarrier);
+  const uint64_t step = g.begin(desc, timeout);
+  g.signal(Counter::kArrive, step);
+  g.wait_all(Counter::kArrive, step);
+  g.check_same_call(step);
+  g.signal(Counter::kDone, step);
+}
+
+}  // namespace fastpar::shm
