@@ -105,12 +105,10 @@ def _rendezvous(backend, ext, store, rank: int, size: int, group: str) -> str:
     outcomes = [store.get(f"{_KEY}attached/{r}").decode() for r in range(size)]
     if rank == 0 and plan["name"]:
         ext.shm_unlink(plan["name"])  # everyone mapped it or gave up: no name left to leak
-    if plan["reason"]:
-        return plan["reason"]
-    failed = "; ".join(f"rank {r}: {text}" for r, text in enumerate(outcomes) if text)
-    if failed:
-        backend.detach(failed)
-    return failed
+    reason = plan["reason"] or "; ".join(f"rank {r}: {text}" for r, text in enumerate(outcomes) if text)
+    if reason:
+        backend.detach(reason)  # the same decision on every rank, from the same reports
+    return reason
 
 
 def _create_backend(opts, backend_options=None):
