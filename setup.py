@@ -49,7 +49,7 @@ def _extensions():
     # flag it silently runs on one thread.
     openmp = ["-fopenmp"] if "parallel backend: OpenMP" in torch.__config__.parallel_info() else []
     cxx = ["-O3", "-ffp-contract=off", *openmp]
-    link = openmp
+    link = [*openmp, "-lrt"]  # shm_open/shm_unlink (fastpar backend) live in librt before glibc 2.34
     if with_cuda:
         sources += [str(p.relative_to(ROOT)) for p in sorted((CSRC / "cuda").glob("*.cu"))]
         ext = cpp_extension.CUDAExtension(

@@ -99,7 +99,8 @@ void reduce_scatter(Group& g, const std::vector<const void*>& parts, void* out, 
   const RingOrder order(world, order_numel, es);
   // The staging slot holds one sub-slot per destination rank.
   const int64_t line = std::max<int64_t>(1, kLine / static_cast<int64_t>(es));
-  const int64_t chunk = static_cast<int64_t>(g.slot_bytes() / es / world) / line * line;
+  // (slots hold at least 4 KB = 64 ranks x one cache line, so a sub-slot never rounds down to nothing)
+  const int64_t chunk = std::max(line, static_cast<int64_t>(g.slot_bytes() / es / world) / line * line);
   uint64_t step = g.begin(reduce_desc(OpKind::kReduceScatter, count, reduction), timeout);
   const void* src[kMaxRanks];
   for (int64_t k = 0, steps = steps_for(count, chunk); k < steps; ++k) {

@@ -22,9 +22,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// How long a wait spins before it sleeps. A peer on another core usually arrives within microseconds; with more
-// runnable threads than cores, spinning only steals the core the peer needs, so it is short.
-std::chrono::nanoseconds spin_budget() {
+// The most a wait spins before it sleeps (FASTPAR_SHM_SPIN_US). A peer on another core usually arrives within
+// microseconds; with more runnable threads than cores, spinning only steals the core the peer needs.
+std::chrono::nanoseconds max_spin() {
   static const std::chrono::nanoseconds budget = [] {
     const char* text = std::getenv("FASTPAR_SHM_SPIN_US");
     const long us = text != nullptr ? std::strtol(text, nullptr, 10) : 50;
@@ -32,6 +32,7 @@ std::chrono::nanoseconds spin_budget() {
   }();
   return budget;
 }
+constexpr auto kMinSpin = std::chrono::nanoseconds(2000);
 
 // A sleeping wait wakes at least this often to check the lagging ranks are alive and the deadline.
 constexpr auto kSleepSlice = std::chrono::milliseconds(20);
@@ -128,7 +129,8 @@ Group::Group(Segment segment, int rank, std::chrono::milliseconds timeout)
       header_(segment_.header()),
       rank_(rank),
       world_(static_cast<int>(header_.world)),
-      default_timeout_(timeout) {}
+      default_timeout_(timeout),
+      spin_(max_spin()) {}
 
 Group::~Group() {
   if (joined_) leave();
@@ -229,16 +231,21 @@ void Group::wait_rank(Counter counter, int q, uint64_t step) {
 template <typename Ready>
 void Group::wait_until(Ready&& ready, Counter counter, uint64_t step, int only_rank) {
   if (ready()) return;
-  const auto start = Clock::now();
-  const auto spin_end = start + spin_budget();
+  // Adaptive: a wait that ends while spinning lets the next spin twice as long, one that has to sleep halves it, so
+  // spinning goes away when the peers are descheduled (a loaded machine) and comes back when they run alongside.
+  const auto spin_end = Clock::now() + spin_;
   for (uint32_t i = 1;; ++i) {
     cpu_relax();
-    if (ready()) return;
+    if (ready()) {
+      spin_ = std::min(max_spin(), spin_ * 2);
+      return;
+    }
     if ((i & 255) == 0) {
       if (aborted()) throw_aborted();
       if (Clock::now() >= spin_end) break;
     }
   }
+  spin_ = std::max(std::min(kMinSpin, max_spin()), spin_ / 2);
   while (true) {
     header_.sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t bell = header_.doorbell.load(std::memory_order_seq_cst);

@@ -69,6 +69,7 @@ class Group {
   uint64_t step_ = 0;
   OpDesc current_{};
   uint64_t seq_ = 0;
+  std::chrono::nanoseconds spin_;  // how long the next wait spins before it sleeps
   bool joined_ = false;
 };
 

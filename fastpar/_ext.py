@@ -97,7 +97,7 @@ def _jit_build() -> ModuleType:
             sources=[str(s) for s in sources],
             extra_cflags=cflags,
             extra_cuda_cflags=cuda_cflags,
-            extra_ldflags=openmp,
+            extra_ldflags=[*openmp, "-lrt"],  # shm_open: librt before glibc 2.34
             extra_include_paths=[str(root)],
             build_directory=str(cache),
             with_cuda=with_cuda,
