@@ -42,6 +42,19 @@ struct Dense {
   }
 };
 
+// Pairs (big[i], small[i]) of CPU tensors of one dtype, big holding `world` times small's elements: the shape of
+// all_gather_into_tensor (output, input) and of reduce_scatter_tensor (input, output).
+bool world_pairs(const std::vector<at::Tensor>& big, const std::vector<at::Tensor>& small, int world) {
+  if (big.empty() || big.size() != small.size()) return false;
+  for (size_t i = 0; i < big.size(); ++i) {
+    if (!on_cpu(big[i]) || !on_cpu(small[i]) || !same_dtype(big[i], small[i]) ||
+        big[i].numel() != small[i].numel() * world) {
+      return false;
+    }
+  }
+  return true;
+}
+
 std::vector<Dense> dense_all(const std::vector<at::Tensor>& tensors) {
   std::vector<Dense> out;
   out.reserve(tensors.size());
@@ -232,12 +245,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::_allgather_base(at::Tensor& output, a
 c10::intrusive_ptr<c10d::Work> ShmBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::AllgatherOptions& opts) {
-  bool handled = executor_ && !inputs.empty() && inputs.size() == outputs.size();
-  for (size_t i = 0; handled && i < inputs.size(); ++i) {
-    handled = on_cpu(inputs[i]) && on_cpu(outputs[i]) && same_dtype(inputs[i], outputs[i]) &&
-              outputs[i].numel() == inputs[i].numel() * size_;
-  }
-  if (!handled) {
+  if (!executor_ || !world_pairs(outputs, inputs, size_)) {
     if (outputs.size() == 1 && inputs.size() == 1) return gloo_->_allgather_base(outputs[0], inputs[0], opts);
     return gloo_->allgather_into_tensor_coalesced(outputs, inputs, opts);
   }
@@ -284,11 +292,8 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::_reduce_scatter_base(at::Tensor& outp
 c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::ReduceScatterOptions& opts) {
-  bool handled = executor_ && !inputs.empty() && inputs.size() == outputs.size() && sum_or_avg(opts.reduceOp);
-  for (size_t i = 0; handled && i < inputs.size(); ++i) {
-    handled = reducible_tensor(inputs[i]) && on_cpu(outputs[i]) && same_dtype(inputs[i], outputs[i]) &&
-              inputs[i].numel() == outputs[i].numel() * size_;
-  }
+  bool handled = executor_ && sum_or_avg(opts.reduceOp) && world_pairs(inputs, outputs, size_);
+  for (size_t i = 0; handled && i < inputs.size(); ++i) handled = reducible_tensor(inputs[i]);
   if (!handled) {
     if (outputs.size() == 1 && inputs.size() == 1) return gloo_->_reduce_scatter_base(outputs[0], inputs[0], opts);
     return gloo_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
