@@ -180,7 +180,7 @@ void Group::abort(const std::string& message) {
   throw_aborted();
 }
 
-uint64_t Group::begin(OpDesc desc, std::chrono::milliseconds timeout) {
+uint64_t Group::begin(OpDesc desc, std::chrono::milliseconds timeout, int64_t steps) {
   if (aborted()) throw_aborted();
   op_timeout_ = timeout.count() > 0 ? timeout : default_timeout_;
   deadline_ = Clock::now() + op_timeout_;
@@ -189,17 +189,21 @@ uint64_t Group::begin(OpDesc desc, std::chrono::milliseconds timeout) {
   RankBlock& mine = segment_.rank(rank_);
   mine.op_kind.store(desc.kind, std::memory_order_relaxed);
   mine.op_seq.store(desc.seq, std::memory_order_release);
-  const uint64_t first = next_step();
+  const uint64_t first = step_ + 1;
+  step_ += static_cast<uint64_t>(steps);
+  // The first step reuses the buffers of step first - kBuffers: every rank must be done with them. The descriptor
+  // ring slot reused here was last read kDescRing steps ago, longer before still.
+  if (first > kBuffers) wait_all(Counter::kDone, first - kBuffers);
   mine.desc[first % kDescRing] = desc;  // published by the first signal of this step
   return first;
 }
 
-uint64_t Group::next_step() {
-  const uint64_t step = ++step_;
-  // Step s reuses the buffers of step s - kBuffers: every rank must be done reading them. The descriptor ring
-  // slot reused here was last read kDescRing steps ago, longer before still.
-  if (step > kBuffers) wait_all(Counter::kDone, step - kBuffers);
-  return step;
+bool Group::reached_all(Counter counter, uint64_t step) const {
+  const int c = static_cast<int>(counter);
+  for (int q = 0; q < world_; ++q) {
+    if (segment_.rank(q).counters[c].value.load(std::memory_order_acquire) < step) return false;
+  }
+  return true;
 }
 
 void Group::signal(Counter counter, uint64_t step) {
@@ -212,15 +216,7 @@ void Group::signal(Counter counter, uint64_t step) {
 }
 
 void Group::wait_all(Counter counter, uint64_t step) {
-  const int c = static_cast<int>(counter);
-  wait_until(
-      [&] {
-        for (int q = 0; q < world_; ++q) {
-          if (segment_.rank(q).counters[c].value.load(std::memory_order_acquire) < step) return false;
-        }
-        return true;
-      },
-      counter, step, -1);
+  wait_until([&] { return reached_all(counter, step); }, counter, step, -1);
 }
 
 void Group::wait_rank(Counter counter, int q, uint64_t step) {

@@ -1,8 +1,9 @@
 // The step protocol of fastpar's same-host collectives. A collective is a run of steps, numbered across the group's
-// life; in each step every rank moves one chunk through its staging slot and publishes how far it got on three
-// monotonic counters (arrive, reduced, done). Waiting spins briefly, then sleeps on a futex; while asleep it checks
-// that the ranks it waits for are alive, so a rank that dies or never arrives becomes an error naming it, never a
-// hang. The first error aborts the group for every rank.
+// life; in each step every rank moves one chunk through its staging slot (step s uses buffer s % kBuffers) and
+// publishes how far it got on three monotonic counters (arrive, reduced, done). A rank may stage up to kBuffers steps
+// ahead of what every rank is done with. Waiting spins briefly, then sleeps on a futex; while asleep it checks that
+// the ranks it waits for are alive, so a rank that dies or never arrives becomes an error naming it, never a hang.
+// The first error aborts the group for every rank.
 #pragma once
 
 #include <chrono>
@@ -34,11 +35,12 @@ class Group {
   void join();
   void leave();
 
-  // Starts a collective: checks the group is healthy, takes its first step and publishes `desc` for it. Returns the
-  // step. `timeout` bounds every wait of the collective (0: the group's).
-  uint64_t begin(OpDesc desc, std::chrono::milliseconds timeout);
-  // The next step of the current collective, once every rank is done with the step that used its buffers last.
-  uint64_t next_step();
+  // Starts a collective of `steps` steps: checks the group is healthy, waits until the first step's buffers are
+  // free and publishes `desc` for it. Returns the first step. `timeout` bounds every wait of the collective (0: the
+  // group's).
+  uint64_t begin(OpDesc desc, std::chrono::milliseconds timeout, int64_t steps);
+  // Whether every rank has reached `step` on `counter` (does not wait).
+  bool reached_all(Counter counter, uint64_t step) const;
   void signal(Counter counter, uint64_t step);
   void wait_all(Counter counter, uint64_t step);
   void wait_rank(Counter counter, int q, uint64_t step);

@@ -13,7 +13,9 @@
 namespace fastpar::shm {
 
 constexpr int kMaxRanks = 64;  // larger same-host groups use gloo
-constexpr int kBuffers = 2;  // stage/result double buffering: step s uses buffer s % kBuffers
+// Stage/result buffers per rank: step s uses buffer s % kBuffers, so a rank can stage that many steps ahead of the
+// slowest rank and the ranks need not run at the same moment (on a busy machine they rarely do).
+constexpr int kBuffers = 4;
 constexpr int kDescRing = kBuffers + 2;  // op descriptors a rank keeps, indexed by the op's first step
 
 // The three progress counters of a rank, each the last step it finished that phase of.

@@ -106,7 +106,14 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
     if rank == 0:  # the other ranks wait idle in the barrier, so the copy has the machine to itself
         floor_gbs = bandwidth_gbs(2 * floor_bytes, memcpy_seconds(floor_bytes, device, plan))
     launch.barrier(device)
-    return _report(args, world_size, device, rows, (floor_bytes, floor_gbs)) if rank == 0 else None
+    # Every rank copying at once: the bandwidth each gets when all move bytes together, as in a collective (on a
+    # CPU the ranks share the memory bus; GPUs each have their own memory).
+    shared_gbs = floor_gbs
+    if world_size > 1:
+        seconds = launch.slowest([memcpy_seconds(floor_bytes, device, plan)], device)[0]
+        shared_gbs = bandwidth_gbs(2 * floor_bytes, seconds)
+    floors = (floor_bytes, floor_gbs, shared_gbs)
+    return _report(args, world_size, device, rows, floors) if rank == 0 else None
 
 
 def _floor_bytes(sizes: list[int]) -> int:
@@ -114,9 +121,9 @@ def _floor_bytes(sizes: list[int]) -> int:
     return max(64 << 20, min(max(sizes), 1 << 30))
 
 
-def _report(args, world_size: int, device: torch.device, rows: list[dict], floor: tuple[int, float]) -> BenchReport:
+def _report(args, world_size: int, device: torch.device, rows: list[dict], floors: tuple) -> BenchReport:
     name = args.benchmark
-    floor_bytes, memcpy_gbs = floor
+    floor_bytes, memcpy_gbs, shared_gbs = floors
     columns = [
         Column("size", "size(B)", 12, unit="B"),
         Column("count", "count", 12, unit="elements"),
@@ -146,6 +153,14 @@ def _report(args, world_size: int, device: torch.device, rows: list[dict], floor
     ]
     if world_size == 1:
         footer.append("one rank: nothing crosses a link, so busbw is 0 by definition; compare algbw")
+    else:
+        footer.append(f"floor: memcpy on all {world_size} ranks at once {shared_gbs:.4g} GB/s each")
+    bound = _allreduce_bound(name, world_size, shared_gbs)
+    if bound:
+        footer.append(
+            f"an in-place all-reduce reads and writes every byte on every rank: busbw <= {bound:.4g} GB/s "
+            f"({bound / memcpy_gbs:.0%} of one rank's memcpy); peak busbw = {peak_busbw / bound:.0%} of that bound"
+        )
     goals = _fastpar_goals(name, rows, memcpy_gbs) if rows and "gloo_us" in rows[0] else {}
     footer += [f"goal {text}: {'MET' if met else 'NOT MET'}" for text, met in goals.items()]
     return BenchReport(
@@ -160,6 +175,8 @@ def _report(args, world_size: int, device: torch.device, rows: list[dict], floor
             "peak_busbw_gbs": peak_busbw,
             "peak_algbw_gbs": peak_algbw,
             "memcpy_gbs": memcpy_gbs,
+            "memcpy_all_ranks_gbs": shared_gbs,
+            "allreduce_bound_busbw_gbs": bound,
             "peak_busbw_of_memcpy": peak_busbw / memcpy_gbs,
             "bus_factor": factor,
             "world_size": world_size,
@@ -174,6 +191,14 @@ def _report(args, world_size: int, device: torch.device, rows: list[dict], floor
 # of gloo's time
 _GOAL_SPEEDUP_SIZES, _GOAL_SPEEDUP, _GOAL_MEMCPY_SHARE = (16 << 20, 64 << 20), 4.0, 0.40
 _GOAL_LATENCY_SIZE, _GOAL_LATENCY_RATIO = 4 << 10, 0.5
+
+
+def _allreduce_bound(name: str, world_size: int, shared_gbs: float) -> float | None:
+    """The busbw a CPU all-reduce cannot pass: each rank reads and writes its buffer once, at the bandwidth it gets
+    with every rank copying (time >= one such memcpy), and busbw = algbw x 2(n-1)/n."""
+    if name != "allreduce" or world_size < 2:
+        return None
+    return shared_gbs / 2 * bus_factor(name, world_size)
 
 
 def _fastpar_goals(name: str, rows: list[dict], memcpy_gbs: float) -> dict[str, bool]:
