@@ -54,10 +54,11 @@ void bind(pybind11::module_& m) {
       .def_property_readonly("shm_active", &ShmBackend::shm_active)
       .def_property_readonly("fallback_reason", &ShmBackend::fallback_reason)
       .def_property_readonly("gloo", &ShmBackend::gloo);
-  m.def("shm_create", &Segment::create, py::arg("name"), py::arg("world"), py::arg("slot_bytes"), py::arg("token"),
+  m.def("shm_create", &Segment::create, py::arg("name"), py::arg("world"), py::arg("slot_bytes"), py::arg("buffers"),
+        py::arg("token"),
         "Create and initialise a group's segment in /dev/shm (mode 0600, pages reserved)");
   m.def("shm_unlink", &Segment::unlink, py::arg("name"), "Remove a segment's name (no error when it is gone)");
-  m.def("shm_segment_bytes", &Segment::size_for, py::arg("world"), py::arg("slot_bytes"));
+  m.def("shm_segment_bytes", &Segment::size_for, py::arg("world"), py::arg("slot_bytes"), py::arg("buffers"));
 }
 
 }  // namespace fastpar::shm

@@ -53,7 +53,7 @@ OpDesc reduce_desc(OpKind kind, int64_t count, Reduction reduction) {
 
 // Runs a collective as steps of `chunk` elements (or bytes) over `total`. Each step is staged (stage(step, lo, len):
 // this rank's chunk into its slot, then signal kArrive) and later consumed (consume(step, first, lo, len): wait for
-// the others' chunks, reduce or copy out, signal kDone). Staging runs ahead, up to kBuffers steps, as far as the
+// the others' chunks, reduce or copy out, signal kDone). Staging runs ahead, up to buffers() steps, as far as the
 // other ranks have freed the buffers: a rank whose peers are not running at the moment stages what it can and
 // sleeps once, and the peers then find whole runs of steps ready instead of one.
 template <typename Stage, typename Consume>
@@ -63,16 +63,17 @@ void run_steps(Group& g, const OpDesc& desc, std::chrono::milliseconds timeout, 
   const uint64_t first = g.begin(desc, timeout, steps);  // the first step's buffers are free
   auto lo = [&](int64_t k) { return k * chunk; };
   auto len = [&](int64_t k) { return std::min(chunk, total - k * chunk); };
-  // Step s reuses the buffers of step s - kBuffers: free once every rank is done with that one.
-  auto free = [&](uint64_t step) { return step <= kBuffers || g.reached_all(Counter::kDone, step - kBuffers); };
+  // Step s reuses the buffers of step s - depth: free once every rank is done with that one.
+  const auto depth = static_cast<uint64_t>(g.buffers());
+  auto free = [&](uint64_t step) { return step <= depth || g.reached_all(Counter::kDone, step - depth); };
   int64_t staged = 0;
   for (int64_t done = 0; done < steps; ++done) {
-    while (staged < steps && staged - done < kBuffers && (staged == 0 || free(first + staged))) {
+    while (staged < steps && staged - done < g.buffers() && (staged == 0 || free(first + staged))) {
       stage(first + staged, lo(staged), len(staged));
       ++staged;
     }
     if (staged == done) {  // the next step's buffers are still in use: wait for them, then stage it
-      g.wait_all(Counter::kDone, first + staged - kBuffers);  // first + staged > kBuffers, or it would be free
+      g.wait_all(Counter::kDone, first + staged - depth);  // first + staged > depth, or it would be free
       stage(first + staged, lo(staged), len(staged));
       ++staged;
     }

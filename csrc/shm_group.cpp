@@ -129,6 +129,7 @@ Group::Group(Segment segment, int rank, std::chrono::milliseconds timeout)
       header_(segment_.header()),
       rank_(rank),
       world_(static_cast<int>(header_.world)),
+      buffers_(static_cast<int>(header_.buffers)),
       default_timeout_(timeout),
       spin_(max_spin()) {}
 
@@ -191,9 +192,10 @@ uint64_t Group::begin(OpDesc desc, std::chrono::milliseconds timeout, int64_t st
   mine.op_seq.store(desc.seq, std::memory_order_release);
   const uint64_t first = step_ + 1;
   step_ += static_cast<uint64_t>(steps);
-  // The first step reuses the buffers of step first - kBuffers: every rank must be done with them. The descriptor
-  // ring slot reused here was last read kDescRing steps ago, longer before still.
-  if (first > kBuffers) wait_all(Counter::kDone, first - kBuffers);
+  // The first step reuses the buffers of step first - buffers_: every rank must be done with them. The descriptor
+  // ring slot reused here was last read kDescRing > buffers_ steps ago, longer before still.
+  const auto depth = static_cast<uint64_t>(buffers_);
+  if (first > depth) wait_all(Counter::kDone, first - depth);
   mine.desc[first % kDescRing] = desc;  // published by the first signal of this step
   return first;
 }

@@ -1,6 +1,6 @@
 // The step protocol of fastpar's same-host collectives. A collective is a run of steps, numbered across the group's
-// life; in each step every rank moves one chunk through its staging slot (step s uses buffer s % kBuffers) and
-// publishes how far it got on three monotonic counters (arrive, reduced, done). A rank may stage up to kBuffers steps
+// life; in each step every rank moves one chunk through its staging slot (step s uses buffer s % buffers()) and
+// publishes how far it got on three monotonic counters (arrive, reduced, done). A rank may stage up to buffers() steps
 // ahead of what every rank is done with. Waiting spins briefly, then sleeps on a futex; while asleep it checks that
 // the ranks it waits for are alive, so a rank that dies or never arrives becomes an error naming it, never a hang.
 // The first error aborts the group for every rank.
@@ -27,6 +27,7 @@ class Group {
   int rank() const { return rank_; }
   int world() const { return world_; }
   size_t slot_bytes() const { return segment_.slot_bytes(); }
+  int buffers() const { return buffers_; }
   char* stage(int q, uint64_t s) const { return segment_.stage(q, s); }
   char* result(uint64_t s) const { return segment_.result(s); }
 
@@ -65,6 +66,7 @@ class Group {
   Header& header_;
   const int rank_;
   const int world_;
+  const int buffers_;
   std::chrono::milliseconds default_timeout_;
   std::chrono::steady_clock::time_point deadline_{};
   std::chrono::milliseconds op_timeout_{0};

@@ -16,7 +16,7 @@
 namespace fastpar::shm {
 namespace {
 
-constexpr uint64_t kMagic = 0x66617374706172'02ULL;  // "fastpar", layout version 2
+constexpr uint64_t kMagic = 0x66617374706172'03ULL;  // "fastpar", layout version 3
 constexpr size_t kPage = 4096;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
@@ -45,15 +45,16 @@ void init_robust_mutex(pthread_mutex_t* mutex) {
 
 }  // namespace
 
-size_t Segment::size_for(int world, size_t slot_bytes) {
+size_t Segment::size_for(int world, size_t slot_bytes, int buffers) {
   // a staging slot per rank and buffer, plus one result slot per buffer
-  return data_offset(world) + static_cast<size_t>(world + 1) * kBuffers * slot_bytes;
+  return data_offset(world) + static_cast<size_t>(world + 1) * buffers * slot_bytes;
 }
 
-void Segment::create(const std::string& name, int world, size_t slot_bytes, uint64_t token) {
+void Segment::create(const std::string& name, int world, size_t slot_bytes, int buffers, uint64_t token) {
   TORCH_CHECK(world >= 1 && world <= kMaxRanks, "fastpar shm: world size ", world, " outside 1..", kMaxRanks);
   TORCH_CHECK(slot_bytes % kPage == 0 && slot_bytes > 0, "fastpar shm: slot size must be a multiple of 4096");
-  const size_t size = size_for(world, slot_bytes);
+  TORCH_CHECK(buffers >= 2 && buffers <= kMaxBuffers, "fastpar shm: buffers must be 2..", kMaxBuffers);
+  const size_t size = size_for(world, slot_bytes, buffers);
   Fd file{::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, S_IRUSR | S_IWUSR)};
   TORCH_CHECK(file.fd >= 0, "fastpar shm: cannot create ", name, ": ", errno_text(errno));
   ::fchmod(file.fd, S_IRUSR | S_IWUSR);  // 0600 whatever the umask: gradients are nobody else's business
@@ -77,7 +78,7 @@ void Segment::create(const std::string& name, int world, size_t slot_bytes, uint
   }
   header->token = token;
   header->world = static_cast<uint32_t>(world);
-  header->buffers = kBuffers;
+  header->buffers = static_cast<uint32_t>(buffers);
   header->slot_bytes = slot_bytes;
   header->data_offset = data_offset(world);
   header->total_bytes = size;
@@ -132,12 +133,12 @@ RankBlock& Segment::rank(int r) const {
 
 char* Segment::stage(int q, uint64_t s) const {
   const Header& h = header();
-  return base_ + h.data_offset + (static_cast<size_t>(q) * kBuffers + s % kBuffers) * h.slot_bytes;
+  return base_ + h.data_offset + (static_cast<size_t>(q) * h.buffers + s % h.buffers) * h.slot_bytes;
 }
 
 char* Segment::result(uint64_t s) const {
   const Header& h = header();
-  return base_ + h.data_offset + (static_cast<size_t>(h.world) * kBuffers + s % kBuffers) * h.slot_bytes;
+  return base_ + h.data_offset + (static_cast<size_t>(h.world) * h.buffers + s % h.buffers) * h.slot_bytes;
 }
 
 void join(RankBlock& block, int pid) {

@@ -13,10 +13,11 @@
 namespace fastpar::shm {
 
 constexpr int kMaxRanks = 64;  // larger same-host groups use gloo
-// Stage/result buffers per rank: step s uses buffer s % kBuffers, so a rank can stage that many steps ahead of the
-// slowest rank and the ranks need not run at the same moment (on a busy machine they rarely do).
-constexpr int kBuffers = 4;
-constexpr int kDescRing = kBuffers + 2;  // op descriptors a rank keeps, indexed by the op's first step
+// Stage/result buffers per rank (chosen at creation, at most kMaxBuffers): step s uses buffer s % buffers, so a rank
+// can stage that many steps ahead of the slowest rank and the ranks need not run at the same moment (on a busy
+// machine they rarely do).
+constexpr int kMaxBuffers = 62;
+constexpr int kDescRing = kMaxBuffers + 2;  // op descriptors a rank keeps, indexed by the op's first step
 
 // The three progress counters of a rank, each the last step it finished that phase of.
 enum class Counter : int { kArrive = 0, kReduced = 1, kDone = 2 };
@@ -75,16 +76,17 @@ class Segment {
 
   // Creates `name` (O_EXCL, mode 0600), reserves its pages (ENOSPC is an error here, not a SIGBUS later) and
   // initialises the header and rank blocks. The segment is unmapped again; ranks map it with open().
-  static void create(const std::string& name, int world, size_t slot_bytes, uint64_t token);
+  static void create(const std::string& name, int world, size_t slot_bytes, int buffers, uint64_t token);
   // Maps `name`; throws unless it holds a fastpar group of `world` ranks with `token`.
   static Segment open(const std::string& name, int world, uint64_t token);
   static void unlink(const std::string& name);  // no error if it is already gone
-  static size_t size_for(int world, size_t slot_bytes);
+  static size_t size_for(int world, size_t slot_bytes, int buffers);
 
   bool valid() const { return base_ != nullptr; }
   Header& header() const { return *reinterpret_cast<Header*>(base_); }
   RankBlock& rank(int r) const;
   size_t slot_bytes() const { return header().slot_bytes; }
+  int buffers() const { return static_cast<int>(header().buffers); }
   // Staging slot of rank q for step s, and the shared result slot for step s (slot_bytes each).
   char* stage(int q, uint64_t s) const;
   char* result(uint64_t s) const;

@@ -184,11 +184,11 @@ def test_segment_is_private_to_the_user_and_reserved():
     if ext is None or not hasattr(ext, "shm_create"):
         pytest.skip("the compiled extension is not available")
     name = segments.segment_name("test")
-    ext.shm_create(name, 2, 64 * 1024, 1234)
+    ext.shm_create(name, 2, 64 * 1024, 4, 1234)
     try:
         info = os.stat(segments.SHM_DIR / name.lstrip("/"))
         assert stat.S_IMODE(info.st_mode) == 0o600
-        assert info.st_size == ext.shm_segment_bytes(2, 64 * 1024)
+        assert info.st_size == ext.shm_segment_bytes(2, 64 * 1024, 4)
         assert info.st_blocks * 512 >= info.st_size  # pages reserved, not sparse
     finally:
         ext.shm_unlink(name)

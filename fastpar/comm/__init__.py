@@ -9,7 +9,7 @@ group that spans hosts, runs on gloo. ``import fastpar`` registers the name::
     fastpar.comm.shm_status()                     # {'backend': 'fastpar', 'shm': True, 'reason': ''}
 """
 
-from .backend import BACKEND_NAME, is_available, register, shm_status, slot_bytes
+from .backend import BACKEND_NAME, is_available, register, shm_status, staging
 from .segments import list_segments, sweep_stale_segments
 
 __all__ = [
@@ -18,6 +18,6 @@ __all__ = [
     "list_segments",
     "register",
     "shm_status",
-    "slot_bytes",
+    "staging",
     "sweep_stale_segments",
 ]

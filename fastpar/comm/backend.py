@@ -29,17 +29,22 @@ from .segments import SHM_DIR, segment_name, sweep_stale_segments
 
 BACKEND_NAME = "fastpar"
 MAX_RANKS = 64  # csrc/shm_segment.h kMaxRanks
+MAX_BUFFERS = 62  # csrc/shm_segment.h kMaxBuffers
 _KEY = "fastpar_shm/"
 _log = logging.getLogger("fastpar.comm")
 
 
-def slot_bytes() -> int:
-    """Bytes a rank stages per step (FASTPAR_SHM_SLOT_KB, default 512 KB): small enough to stay in cache between
-    the rank that writes a chunk and the ranks that read it, large enough that per-step waits cost little."""
-    kib = int(os.environ.get("FASTPAR_SHM_SLOT_KB", "512"))
+def staging() -> tuple[int, int]:
+    """(bytes a rank stages per step, steps it may stage ahead): FASTPAR_SHM_SLOT_KB (default 256) and
+    FASTPAR_SHM_BUFFERS (default 4). A step's chunk should stay in cache between the rank that writes it and the
+    ranks that read it; the buffers let a rank run ahead while the others are not scheduled."""
+    kib = int(os.environ.get("FASTPAR_SHM_SLOT_KB", "256"))
+    buffers = int(os.environ.get("FASTPAR_SHM_BUFFERS", "4"))
     if kib < 4 or kib % 4:
         raise ValueError(f"FASTPAR_SHM_SLOT_KB must be a multiple of 4 and at least 4, got {kib}")
-    return kib * 1024
+    if not 2 <= buffers <= MAX_BUFFERS:
+        raise ValueError(f"FASTPAR_SHM_BUFFERS must be 2..{MAX_BUFFERS}, got {buffers}")
+    return kib * 1024, buffers
 
 
 def is_available() -> bool:
@@ -95,7 +100,7 @@ def _rendezvous(backend, ext, store, rank: int, size: int, group: str) -> str:
             sweep_stale_segments()
             plan["name"], plan["token"] = segment_name(group), secrets.randbits(63)
             try:
-                ext.shm_create(plan["name"], size, slot_bytes(), plan["token"])
+                ext.shm_create(plan["name"], size, *staging(), plan["token"])
             except RuntimeError as exc:
                 plan["name"], plan["reason"] = "", f"cannot create the shared-memory segment: {exc}"
         store.set(f"{_KEY}plan", json.dumps(plan))
