@@ -19,6 +19,7 @@ constexpr int64_t kDirectBytes = 64 * 1024;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+
 int64_t steps_for(int64_t n, int64_t chunk) { return std::max<int64_t>(1, ceil_div(n, chunk)); }
 
 // Elements per rank share of a `len`-element chunk, whole cache lines.
@@ -52,8 +53,9 @@ OpDesc reduce_desc(OpKind kind, int64_t count, Reduction reduction) {
 }
 
 // Runs a collective as steps of `chunk` elements (or bytes) over `total`. Each step is staged (stage(step, lo, len):
-// this rank's chunk into its slot, then signal kArrive) and later consumed (consume(step, first, lo, len): wait for
-// the others' chunks, reduce or copy out, signal kDone). Staging runs ahead, up to buffers() steps, as far as the
+// this rank's chunk into its slot, then signal kArrive) and then consumed (consume(step, first, lo, len): wait for
+// the others' chunks, reduce or copy out, signal kDone). A step is consumed as soon as the others have staged it, while
+// this rank's chunk is still in cache; while they have not, staging runs ahead, up to buffers() steps, as far as the
 // other ranks have freed the buffers: a rank whose peers are not running at the moment stages what it can and
 // sleeps once, and the peers then find whole runs of steps ready instead of one.
 template <typename Stage, typename Consume>
@@ -68,7 +70,8 @@ void run_steps(Group& g, const OpDesc& desc, std::chrono::milliseconds timeout, 
   auto free = [&](uint64_t step) { return step <= depth || g.reached_all(Counter::kDone, step - depth); };
   int64_t staged = 0;
   for (int64_t done = 0; done < steps; ++done) {
-    while (staged < steps && staged - done < g.buffers() && (staged == 0 || free(first + staged))) {
+    while (staged < steps && staged - done < g.buffers() && (staged == 0 || free(first + staged)) &&
+           (staged == done || !g.reached_all(Counter::kArrive, first + done))) {
       stage(first + staged, lo(staged), len(staged));
       ++staged;
     }
