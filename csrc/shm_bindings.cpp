@@ -39,8 +39,12 @@ namespace fastpar::shm {
 
 void bind(pybind11::module_& m) {
   namespace py = pybind11;
+  // module_local: the prebuilt fastpar._C and a JIT-built copy may both be loaded in one process (each binds its
+  // own ShmBackend; torch still takes either as a c10d Backend, but hands it back to Python as a plain Backend:
+  // shm_backend_state below reads it from there).
   py::class_<ShmBackend, c10d::Backend, NoGilHolder<ShmBackend>>(
-      m, "ShmBackend", "torch.distributed backend 'fastpar': same-host collectives in shared memory, the rest on gloo")
+      m, "ShmBackend", py::module_local(),
+      "torch.distributed backend 'fastpar': same-host collectives in shared memory, the rest on gloo")
       .def(py::init([](int rank, int size, const c10::intrusive_ptr<c10d::Backend>& gloo,
                        std::chrono::milliseconds timeout) {
              return NoGilHolder<ShmBackend>(c10::make_intrusive<ShmBackend>(rank, size, gloo, timeout));
@@ -54,6 +58,14 @@ void bind(pybind11::module_& m) {
       .def_property_readonly("shm_active", &ShmBackend::shm_active)
       .def_property_readonly("fallback_reason", &ShmBackend::fallback_reason)
       .def_property_readonly("gloo", &ShmBackend::gloo);
+  m.def(
+      "shm_backend_state",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend) -> py::object {
+        const auto* shm = dynamic_cast<const ShmBackend*>(backend.get());
+        if (shm == nullptr) return py::none();
+        return py::make_tuple(shm->shm_active(), shm->fallback_reason());
+      },
+      py::arg("backend"), "(shm active, why not) of a 'fastpar' backend; None for any other backend");
   m.def("shm_create", &Segment::create, py::arg("name"), py::arg("world"), py::arg("slot_bytes"), py::arg("buffers"),
         py::arg("token"),
         "Create and initialise a group's segment in /dev/shm (mode 0600, pages reserved)");

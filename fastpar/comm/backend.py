@@ -153,6 +153,9 @@ def shm_status(group=None) -> dict:
         backend = group._get_backend(torch.device("cpu"))
     except RuntimeError as exc:
         return {"backend": name, "shm": False, "reason": str(exc)}
-    if not hasattr(backend, "shm_active"):
+    ext = _ext.extension()
+    state = ext.shm_backend_state(backend) if ext is not None and hasattr(ext, "shm_backend_state") else None
+    if state is None:
         return {"backend": name, "shm": False, "reason": f"{type(backend).__name__} is not fastpar's backend"}
-    return {"backend": name, "shm": bool(backend.shm_active), "reason": backend.fallback_reason}
+    active, reason = state
+    return {"backend": name, "shm": bool(active), "reason": reason}
