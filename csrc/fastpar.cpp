@@ -14,6 +14,10 @@
 
 #include "bucket_ops.h"
 
+namespace fastpar::shm {
+void bind(pybind11::module_& m);  // shm_bindings.cpp: the "fastpar" torch.distributed backend
+}
+
 namespace fastpar {
 namespace {
 
@@ -216,4 +220,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_and_finite", &fastpar::norm_and_finite, py::arg("flats"),
         "(L2 norm as fp32 0-d tensor, all elements finite as bool 0-d tensor), on the buffers' device");
   m.def("has_cuda", &fastpar::has_cuda, "whether the CUDA kernels were compiled in");
+  fastpar::shm::bind(m);
 }

@@ -40,6 +40,21 @@ _LAZY = {
 }
 
 
+def _register_backend() -> None:
+    """``init_process_group("fastpar")`` works once fastpar is imported (fastpar.comm; cheap, never raises)."""
+    import warnings
+
+    try:
+        from .comm import register
+
+        register()
+    except Exception as exc:  # noqa: BLE001 - import fastpar must not fail because of the backend
+        warnings.warn(f"fastpar: could not register the 'fastpar' torch.distributed backend: {exc}", stacklevel=2)
+
+
+_register_backend()
+
+
 def __getattr__(name: str):
     if name not in _LAZY:
         raise AttributeError(f"module 'fastpar' has no attribute {name!r}")

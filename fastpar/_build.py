@@ -63,6 +63,6 @@ def config(root: Path, torch: ModuleType, with_cuda: bool) -> BuildConfig:
         sources=sources,
         cxx_flags=cxx + define,
         nvcc_flags=["-O3", "--fmad=false", *define],
-        ldflags=openmp,
+        ldflags=[*openmp, "-lrt"],  # shm_open/shm_unlink (the fastpar backend) live in librt before glibc 2.34
         with_cuda=with_cuda,
     )

@@ -118,7 +118,8 @@ def build_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
     add("--dtype", applies="dtype" in uses, help=f"element type{dtypes} (default {defaults['dtype']})")
     add("--nproc", metavar="N", type=int, applies="nproc" in uses,
         help="local ranks to spawn (default: one per GPU, else 2); under torchrun the launched ranks run")
-    add("--backend", applies="nproc" in uses, help="auto (NCCL on GPUs, else gloo), gloo or nccl (default auto)")
+    add("--backend", applies="nproc" in uses,
+        help="auto (NCCL on GPUs, else gloo), gloo, nccl or fastpar (shared memory, timed next to gloo) (default auto)")
     add("--threads", metavar="N", type=int, help="torch threads per process (default 1)")
     add("--json", metavar="FILE", help="also write the results as JSON")
     add("--plot", metavar="FILE", help="also draw the results into a PNG (needs matplotlib)")

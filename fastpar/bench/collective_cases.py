@@ -100,36 +100,39 @@ class CollectiveCase:
         return self.total * self.inp.element_size()
 
 
-def make_case(name: str, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int, n: int) -> CollectiveCase:
-    """Buffers for ``name`` moving about ``nbytes`` (see :func:`element_counts`), filled with the check values."""
+def make_case(
+    name: str, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int, n: int, group=None
+) -> CollectiveCase:
+    """Buffers for ``name`` moving about ``nbytes`` (see :func:`element_counts`), filled with the check values;
+    the call runs on ``group`` (default: the default process group)."""
     count, total = element_counts(name, nbytes, torch.empty((), dtype=dtype).element_size(), n)
     idx = torch.arange(total, device=device, dtype=torch.int64)
     share = slice(rank * count, (rank + 1) * count)
     if name == "allreduce":
         inp = _reduce_input(idx, rank, n).to(dtype)
         out, expected = inp, _reduce_result(idx, n)
-        call = lambda: dist.all_reduce(inp)  # noqa: E731
+        call = lambda: dist.all_reduce(inp, group=group)  # noqa: E731
     elif name == "reducescatter":
         inp = _reduce_input(idx, rank, n).to(dtype)
         out, expected = torch.zeros(count, dtype=dtype, device=device), _reduce_result(idx[share], n)
         reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        call = lambda: reduce_scatter(out, inp)  # noqa: E731
+        call = lambda: reduce_scatter(out, inp, group=group)  # noqa: E731
     elif name == "allgather":
         inp = _tag(rank, count, device).to(dtype)
         out = torch.zeros(total, dtype=dtype, device=device)
         expected = torch.cat([_tag(k, count, device) for k in range(n)])
         all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        call = lambda: all_gather(out, inp)  # noqa: E731
+        call = lambda: all_gather(out, inp, group=group)  # noqa: E731
     elif name == "alltoall":
         inp = torch.cat([_tag(rank * n + k, count, device) for k in range(n)]).to(dtype)
         out = torch.zeros(total, dtype=dtype, device=device)
         expected = torch.cat([_tag(k * n + rank, count, device) for k in range(n)])
-        call = lambda: dist.all_to_all_single(out, inp)  # noqa: E731
+        call = lambda: dist.all_to_all_single(out, inp, group=group)  # noqa: E731
     elif name == "broadcast":
         expected = 1 + _tag(0, total, device)
         inp = (expected if rank == 0 else torch.zeros_like(expected)).to(dtype)
         out = inp
-        call = lambda: dist.broadcast(inp, src=0)  # noqa: E731
+        call = lambda: dist.broadcast(inp, src=0, group=group)  # noqa: E731
     else:
         raise ValueError(f"unknown collective {name!r}; one of {', '.join(NAMES)}")
     return CollectiveCase(name, count, total, inp, out, call, expected.to(dtype))

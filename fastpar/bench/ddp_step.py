@@ -12,6 +12,7 @@ LayerNorm(256) + GELU) on (64, 256). Variants, interleaved in rounds on the same
   ddp_fp16_hook     torch DDP + fp16_compress_hook
   fastpar_fp32      fastpar.DistributedDataParallel
   fastpar_bf16      fastpar.DistributedDataParallel(grad_dtype=torch.bfloat16)
+  ddp_gloo          with --backend fastpar: torch DDP on a gloo group over the same ranks (stock CPU DDP)
 
 Before timing, every variant takes one step on the same batch on every rank; its parameters must then
 equal stock DDP's: bit for bit in fp32, within a tolerance for the fp16/bf16 reductions.
@@ -46,7 +47,9 @@ VARIANTS = (
     "fastpar_bf16",
 )
 LOW_PRECISION = ("ddp_fp16_hook", "fastpar_bf16")
-GOALS = (("fastpar_fp32", "ddp", 0.92), ("fastpar_bf16", "ddp_fp16_hook", 0.85))  # issue 3
+PEER_VARIANT = "ddp_gloo"  # --backend fastpar only
+# issue 3; issue 17: on the fastpar backend, fastpar's DDP against stock DDP on gloo
+GOALS = (("fastpar_fp32", "ddp", 0.92), ("fastpar_bf16", "ddp_fp16_hook", 0.85), ("fastpar_fp32", PEER_VARIANT, 0.80))
 
 
 def build_model(name: str, seed: int = 0) -> nn.Module:
@@ -77,8 +80,9 @@ def available_variants() -> tuple[list[str], list[str]]:
     return names, notes
 
 
-def wrap(variant: str, model: nn.Module) -> nn.Module:
-    """``model`` wrapped as ``variant`` (on CPU; a CUDA model gets its device id)."""
+def wrap(variant: str, model: nn.Module, peer_group=None) -> nn.Module:
+    """``model`` wrapped as ``variant`` (on CPU; a CUDA model gets its device id); ``peer_group`` is the gloo
+    group of ``ddp_gloo``."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     device_ids = [next(model.parameters()).device.index] if next(model.parameters()).is_cuda else None
@@ -86,6 +90,8 @@ def wrap(variant: str, model: nn.Module) -> nn.Module:
         return model
     if variant == "ddp":
         return TorchDDP(model, device_ids=device_ids)
+    if variant == PEER_VARIANT:
+        return TorchDDP(model, device_ids=device_ids, process_group=peer_group)
     if variant == "ddp_bucket_view":
         return TorchDDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
     if variant == "ddp_batched_copy":
@@ -120,8 +126,8 @@ def fastpar_cap_mb(model: nn.Module) -> float:
 class Trainee:
     """One variant's model, optimizer and step."""
 
-    def __init__(self, variant: str, model_name: str, device: torch.device, lr: float) -> None:
-        self.model = wrap(variant, build_model(model_name).to(device))
+    def __init__(self, variant: str, model_name: str, device: torch.device, lr: float, peer_group=None) -> None:
+        self.model = wrap(variant, build_model(model_name).to(device), peer_group)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
 
     def step(self, x: torch.Tensor) -> None:
@@ -143,12 +149,14 @@ def step_call(rank: int, world_size: int, variant: str, model_name: str, batch: 
 def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchReport | None:
     device = launch.rank_device(args.backend)
     plan = Plan(args.warmup, args.rounds, args.iters)
+    peer_group = launch.gloo_peer(args.backend)
+    variants = [*args.variant_list, PEER_VARIANT] if peer_group is not None else args.variant_list
     results: dict[str, dict[str, float]] = {}
     args.fastpar_caps = {}
     for model_name in args.model_list:
         width = MODELS[model_name][0]
         args.fastpar_caps[model_name] = fastpar_cap_mb(build_model(model_name))
-        trainees = {v: Trainee(v, model_name, device, args.lr) for v in args.variant_list}
+        trainees = {v: Trainee(v, model_name, device, args.lr, peer_group) for v in variants}
         check_batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(1)).to(device)
         for trainee in trainees.values():
             trainee.step(check_batch)  # same batch on every rank: every variant must match stock DDP

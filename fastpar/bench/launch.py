@@ -1,7 +1,8 @@
 """Run a benchmark on N ranks: spawn them locally (``--nproc N``) or join a torchrun launch, both
 through :mod:`fastpar.launcher`.
 
-Backend: gloo on CPU; NCCL when CUDA is available and every rank gets its own GPU. A benchmark's
+Backend: gloo on CPU; NCCL when CUDA is available and every rank gets its own GPU; ``fastpar`` (fastpar's
+shared-memory backend, CPU) when asked for, with a gloo group over the same ranks as the peer. A benchmark's
 per-rank function is ``fn(rank, world_size, args) -> BenchReport | None`` (rank 0 returns the report);
 it raises :class:`WrongResultError` on every rank alike (ranks agree first with :func:`agree_count`),
 so no rank is left waiting in a collective.
@@ -20,6 +21,8 @@ import torch.distributed as dist
 from ..launcher import join_process_group, launched_by_torchrun, set_threads, spawn
 from .harness import BenchUsageError, Plan, WrongResultError, interleaved_rounds, median
 
+BACKENDS = ("auto", "gloo", "nccl", "fastpar")
+
 
 def max_cpu_ranks() -> int:
     """More CPU ranks than this measures the scheduler, not the collective."""
@@ -29,14 +32,14 @@ def max_cpu_ranks() -> int:
 @dataclass(frozen=True)
 class World:
     nproc: int
-    backend: str  # "gloo" | "nccl"
+    backend: str  # "gloo" | "nccl" | "fastpar"
     external: bool  # True under torchrun: this process is one rank already
 
 
 def resolve_world(nproc: int | None, backend: str = "auto") -> World:
     """Check ``--nproc``/``--backend`` against the machine and pick the backend."""
-    if backend not in ("auto", "gloo", "nccl"):
-        raise BenchUsageError(f"unknown backend {backend!r}; use auto, gloo or nccl")
+    if backend not in BACKENDS:
+        raise BenchUsageError(f"unknown backend {backend!r}; use auto, gloo, nccl or fastpar")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     external = launched_by_torchrun()
     if external:
@@ -64,12 +67,18 @@ def resolve_world(nproc: int | None, backend: str = "auto") -> World:
             raise BenchUsageError(
                 f"{local} ranks on this machine but only {gpus} GPU(s) visible; NCCL needs one GPU per rank"
             )
-    if backend == "gloo" and not external and nproc > max_cpu_ranks():
+    if backend in ("gloo", "fastpar") and not external and nproc > max_cpu_ranks():
         raise BenchUsageError(
             f"--nproc {nproc} is above {max_cpu_ranks()} CPU ranks for this {os.cpu_count()}-core machine; "
             "the numbers would measure the scheduler. Use fewer ranks or torchrun across machines"
         )
     return World(nproc=nproc, backend=backend, external=external)
+
+
+def gloo_peer(backend: str):
+    """On the fastpar backend, a gloo group over the same ranks (torch's own CPU collectives: the peer every
+    benchmark times next to it); None otherwise. Collective: every rank calls it."""
+    return dist.new_group(backend="gloo") if backend == "fastpar" else None
 
 
 def rank_device(backend: str) -> torch.device:

@@ -12,6 +12,7 @@ from ..user_errors import OptionError
 
 ENVIRONMENTS = ("auto", "cpu", "gpu", "multi-gpu", "cluster")
 DDP_CHOICES = ("auto", "torch", "fastpar")
+CPU_BACKENDS = ("auto", "fastpar", "gloo")
 PLOTS = (None, "none", "training-progress")
 
 
@@ -41,6 +42,7 @@ class TrainingOptions:
     devices: int | None = None  # cpu: processes (default min(4, cores)); multi-gpu: best k GPUs (default all)
     max_restarts: int = 0  # elastic restarts of the whole local group when a worker dies
     threads_per_process: int | None = None  # torch threads per CPU process (default: cores / processes)
+    cpu_backend: str = "auto"  # CPU processes: auto (fastpar's shared-memory backend when built) | fastpar | gloo
 
     # gradient sync and the step
     ddp: str = "auto"  # auto: fastpar's DDP when its extension is live, else torch's | torch | fastpar
@@ -99,6 +101,8 @@ class TrainingOptions:
                 "execution_environment",
                 f"TrainingOptions.execution_environment must be one of {ENVIRONMENTS}, got {self.execution_environment!r}",
             )
+        if self.cpu_backend not in CPU_BACKENDS:
+            raise ValueError(f"TrainingOptions.cpu_backend must be one of {CPU_BACKENDS}, got {self.cpu_backend!r}")
         if self.ddp not in DDP_CHOICES:
             raise OptionError("ddp", f"TrainingOptions.ddp must be one of {DDP_CHOICES}, got {self.ddp!r}")
         if self.plots not in PLOTS:

@@ -93,7 +93,7 @@ class Trainer:
         """Train; returns a TrainingResult (see its fields)."""
         self._check_before_launch()
         opts = self.options
-        plan = resolve(opts.execution_environment, opts.devices, opts.threads_per_process)
+        plan = resolve(opts.execution_environment, opts.devices, opts.threads_per_process, opts.cpu_backend)
         optimizer = self.optimizer
         local_launch = plan.nprocs > 1
         if isinstance(optimizer, torch.optim.Optimizer):

@@ -1,0 +1,23 @@
+"""``fastpar.comm``: fastpar's torch.distributed backend ``"fastpar"``.
+
+All-reduce, reduce-scatter, all-gather, broadcast and barrier between ranks on one host run through POSIX
+shared memory with fastpar's C++ reduction kernels, with sums bit-identical to gloo's; everything else, and any
+group that spans hosts, runs on gloo. ``import fastpar`` registers the name::
+
+    import fastpar, torch.distributed as dist
+    dist.init_process_group("fastpar")            # or "cpu:fastpar,cuda:nccl"
+    fastpar.comm.shm_status()                     # {'backend': 'fastpar', 'shm': True, 'reason': ''}
+"""
+
+from .backend import BACKEND_NAME, is_available, register, shm_status, staging
+from .segments import list_segments, sweep_stale_segments
+
+__all__ = [
+    "BACKEND_NAME",
+    "is_available",
+    "list_segments",
+    "register",
+    "shm_status",
+    "staging",
+    "sweep_stale_segments",
+]

@@ -1,0 +1,161 @@
+"""The "fastpar" torch.distributed backend: creation, rendezvous of the shared-memory segment, and status.
+
+``torch.distributed`` calls :func:`_create_backend` for every group that uses the backend. It builds a gloo
+backend (for everything the shared-memory path does not do, and for groups that span hosts) and fastpar's C++
+``ShmBackend`` around it, then the ranks agree through the group's store whether they share one /dev/shm:
+
+1. every rank publishes a host key (hostname, boot id, user, the /dev/shm mount);
+2. rank 0 checks they are all equal, removes segments crashed jobs left, creates the segment (0600, pages
+   reserved) and publishes its name and a random token;
+3. every rank maps it and checks the token (same memory, not just the same name), and reports;
+4. rank 0 unlinks the name once all reported. If any rank could not attach, every rank falls back to gloo
+   (the same decision everywhere, from the same reports), and the reason is kept: :func:`shm_status`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import secrets
+import socket
+import warnings
+
+import torch
+
+from .. import _ext
+from .segments import SHM_DIR, segment_name, sweep_stale_segments
+
+BACKEND_NAME = "fastpar"
+MAX_RANKS = 64  # csrc/shm_segment.h kMaxRanks
+MAX_BUFFERS = 62  # csrc/shm_segment.h kMaxBuffers
+_KEY = "fastpar_shm/"
+_log = logging.getLogger("fastpar.comm")
+
+
+def staging() -> tuple[int, int]:
+    """(bytes a rank stages per step, steps it may stage ahead): FASTPAR_SHM_SLOT_KB (default 256) and
+    FASTPAR_SHM_BUFFERS (default 4). A step's chunk should stay in cache between the rank that writes it and the
+    ranks that read it; the buffers let a rank run ahead while the others are not scheduled."""
+    kib = int(os.environ.get("FASTPAR_SHM_SLOT_KB", "256"))
+    buffers = int(os.environ.get("FASTPAR_SHM_BUFFERS", "4"))
+    if kib < 4 or kib % 4:
+        raise ValueError(f"FASTPAR_SHM_SLOT_KB must be a multiple of 4 and at least 4, got {kib}")
+    if not 2 <= buffers <= MAX_BUFFERS:
+        raise ValueError(f"FASTPAR_SHM_BUFFERS must be 2..{MAX_BUFFERS}, got {buffers}")
+    return kib * 1024, buffers
+
+
+def is_available() -> bool:
+    """Whether this installation can run the shared-memory path (Linux, /dev/shm, the compiled extension)."""
+    ext = _ext.extension()
+    return ext is not None and hasattr(ext, "ShmBackend") and SHM_DIR.is_dir()
+
+
+def register() -> None:
+    """Make ``"fastpar"`` a backend name of torch.distributed (``init_process_group("fastpar")``,
+    ``"cpu:fastpar,cuda:nccl"``). Cheap and idempotent: ``import fastpar`` calls it."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or BACKEND_NAME.upper() in getattr(dist.Backend, "_plugins", {}):
+        return
+    # cpu and cuda, like gloo: a drop-in for it (CUDA tensors go to the gloo backend inside).
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"])
+
+
+def _host_key() -> str:
+    """Equal on two ranks exactly when they can share a POSIX shared-memory segment (same machine, same
+    /dev/shm mount, same user); the token check after mapping makes sure of it."""
+    try:
+        boot_id = open("/proc/sys/kernel/random/boot_id").read().strip()
+        shm_dev = os.stat(SHM_DIR).st_dev
+    except OSError:
+        return f"no-shm:{socket.gethostname()}:{os.getpid()}"
+    return f"{socket.gethostname()}|{boot_id}|{shm_dev}|{os.geteuid()}"
+
+
+def _why_not(host_keys: list[str]) -> str:
+    """'' when the ranks can share memory; else why not."""
+    if os.environ.get("FASTPAR_SHM", "1") == "0":
+        return "disabled by FASTPAR_SHM=0"
+    if not is_available():
+        return "the compiled extension or /dev/shm is not available"
+    if len(host_keys) > MAX_RANKS:
+        return f"{len(host_keys)} ranks is above the {MAX_RANKS} the shared-memory path serves"
+    hosts = sorted(set(host_keys))
+    if len(hosts) > 1:
+        return f"the ranks span {len(hosts)} hosts (or /dev/shm mounts), so collectives go through gloo"
+    if hosts[0].startswith("no-shm:"):
+        return "no /dev/shm on this machine"
+    return ""
+
+
+def _rendezvous(backend, ext, store, rank: int, size: int, group: str) -> str:
+    """Steps 1-4 of the module docstring. Returns '' when every rank attached, else the shared reason."""
+    store.set(f"{_KEY}host/{rank}", _host_key())
+    if rank == 0:
+        plan = {"name": "", "token": 0, "reason": _why_not([store.get(f"{_KEY}host/{r}").decode() for r in range(size)])}
+        if not plan["reason"]:
+            sweep_stale_segments()
+            plan["name"], plan["token"] = segment_name(group), secrets.randbits(63)
+            try:
+                ext.shm_create(plan["name"], size, *staging(), plan["token"])
+            except RuntimeError as exc:
+                plan["name"], plan["reason"] = "", f"cannot create the shared-memory segment: {exc}"
+        store.set(f"{_KEY}plan", json.dumps(plan))
+    plan = json.loads(store.get(f"{_KEY}plan"))
+    outcome = plan["reason"] or backend.attach(plan["name"], plan["token"])
+    store.set(f"{_KEY}attached/{rank}", outcome)
+    outcomes = [store.get(f"{_KEY}attached/{r}").decode() for r in range(size)]
+    if rank == 0 and plan["name"]:
+        ext.shm_unlink(plan["name"])  # everyone mapped it or gave up: no name left to leak
+    reason = plan["reason"] or "; ".join(f"rank {r}: {text}" for r, text in enumerate(outcomes) if text)
+    if reason:
+        backend.detach(reason)  # the same decision on every rank, from the same reports
+    return reason
+
+
+def _create_backend(opts, backend_options=None):
+    """The backend factory torch.distributed calls (``extended_api=True``): see the module docstring."""
+    import torch.distributed as dist
+
+    store, rank, size, timeout = opts.store, opts.group_rank, opts.group_size, opts.timeout
+    if not isinstance(timeout, datetime.timedelta):
+        timeout = datetime.timedelta(seconds=float(timeout))
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+    ext = _ext.extension()
+    if ext is None or not hasattr(ext, "ShmBackend"):
+        warnings.warn(
+            "fastpar backend: the compiled extension is not available "
+            f"({_ext.ext_status()['reason']}); this group runs on gloo",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return gloo
+    backend = ext.ShmBackend(rank, size, gloo, timeout)
+    reason = _rendezvous(backend, ext, store, rank, size, str(opts.group_id))
+    if reason and rank == 0:
+        expected = "span" in reason or "FASTPAR_SHM=0" in reason
+        (_log.info if expected else _log.warning)("fastpar backend, group %s: gloo for all collectives: %s",
+                                                  opts.group_id, reason)  # fmt: skip
+    return backend
+
+
+def shm_status(group=None) -> dict:
+    """How the "fastpar" backend of ``group`` (default: the default group) moves CPU tensors:
+    ``{"backend": name, "shm": bool, "reason": why not shared memory ('' when it is)}``."""
+    import torch.distributed as dist
+
+    group = group or dist.group.WORLD
+    name = dist.get_backend(group)
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError as exc:
+        return {"backend": name, "shm": False, "reason": str(exc)}
+    ext = _ext.extension()
+    state = ext.shm_backend_state(backend) if ext is not None and hasattr(ext, "shm_backend_state") else None
+    if state is None:
+        return {"backend": name, "shm": False, "reason": f"{type(backend).__name__} is not fastpar's backend"}
+    active, reason = state
+    return {"backend": name, "shm": bool(active), "reason": reason}
