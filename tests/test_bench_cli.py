@@ -74,6 +74,7 @@ def test_fusion_two_ranks_reports_share_of_single(tmp_path, capsys):
         "async_one_wait",
         "torch_coalesced",
         "fastpar_bucketed",
+        "fastpar_call",
         "fastpar_views",
         "single",
     ]

@@ -8,13 +8,16 @@ One synchronised backward: each parameter's post-accumulate-grad hook marks its 
 bucket is staged (``gradient_path.stage``) and its collective starts asynchronously -- strictly in bucket
 order, so every rank issues the same collectives in the same order. Unused parameters are marked ready
 up front: from the autograd graph (``find_unused_parameters``) or from the first iteration
-(``static_graph``). After the last launch the end of backward is queued; it runs named steps: wait for
-each bucket (a deadline that names missing ranks), finish it into ``.grad``, record statistics, learn.
+(``static_graph``). Buckets whose collectives are already back are finished from the hooks, in order,
+while later ones are still on the wire (``pipeline.FinishQueue``; only once nothing can change their
+gradients). After the last launch the end of backward is queued; it runs named steps: wait for each
+remaining bucket (a deadline that names missing ranks), finish it into ``.grad``, record statistics, learn.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from collections.abc import Sequence
 
@@ -25,12 +28,14 @@ from . import gradient_path
 from .buckets import ParamSlot, assign_buckets, build_buckets, initial_layout
 from .comm_hooks import GradBucket
 from .errors import StuckBucketDiagnoser, UnusedParametersError, pg_timeout_seconds
+from .pipeline import FinishQueue
 from .waiting import BucketWaiter, WaitTimer
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _COPY_ON_ARRIVAL_MIN_NUMEL = 1 << 18  # CPU, 1 MiB of fp32: below, per-tensor dispatch costs more than it saves
+_work_of = operator.attrgetter("work")
 
 
 class Reducer:
@@ -83,6 +88,7 @@ class Reducer:
         self._last_unused: frozenset[int] | None = None
         self.step = 0
         self.last_stats = {"step": 0, "bytes": 0, "collectives": 0, "wait_s": 0.0, "buckets": len(self.buckets)}
+        self.last_stats["finished_early"] = 0
         # per backward
         self.expect_hooks = False
         self._started = self._finalize_queued = self._end_check_queued = self._searched = False
@@ -92,6 +98,7 @@ class Reducer:
         self._globally_unused: frozenset[int] | None = None
         self._outputs_hook = None
         self._bytes = 0
+        self.finishing = FinishQueue()  # buckets finished so far this backward, in order
 
     def set_copy_on_arrival(self, min_numel: int | None) -> None:
         """Copy fresh gradients of at least ``min_numel`` elements into their bucket as they arrive (view mode;
@@ -266,6 +273,8 @@ class Reducer:
         elif slot.ready:  # marked unused from the graph, yet a gradient came: a reentrant checkpoint's parameter
             self._unmark_unused(slot)
         self._mark_ready(slot, arrived=True)
+        if self.finishing.finished < self._next:
+            self._finish_early()
 
     def _accumulate_locally(self, slot: ParamSlot) -> None:
         """no_sync: keep accumulating in the bucket view (torch's view semantics leave a fresh gradient alone)."""
@@ -344,6 +353,30 @@ class Reducer:
             bucket.work = dist.all_reduce(bucket.comm_flat, group=self.group, async_op=True)
         bucket.launched = True
 
+    # ---- finishing buckets: early from the hooks (the pipelined path), the rest at the end --------
+    def _finish_early(self) -> None:
+        """Finish the launched buckets whose collectives are already back, in order; never waits."""
+        try:
+            self.finishing.poll(self.buckets, self._next, _work_of, self._finish_next_step, self._unused_known)
+        except Exception as exc:  # the collective failed: end this backward cleanly, name the bucket
+            self._fail(exc, abort=True)
+
+    def _finish_next_step(self, bucket) -> None:
+        self._finish_bucket(bucket, self.step + 1)  # _finalize counts the step when backward ends
+
+    def _finish_bucket(self, bucket, step: int) -> None:
+        result = self.waiter.wait(step, bucket.index, bucket.names, bucket.work)
+        gradient_path.finish(bucket, result, self._unused_in(bucket))
+
+    def _unused_known(self, bucket) -> bool:
+        """Whether :meth:`_unused_in` can answer for ``bucket`` now, without the used-map all-reduce (which
+        is launched after the last bucket): finishing early is safe only then."""
+        if not (self.find_unused or self.static_graph) or self._globally_unused is not None:
+            return True
+        if self.static_graph and self._used_work is None:
+            return True  # learned in the first iteration
+        return all(not self._locally_unused(s) for s in bucket.slots)
+
     def _launch_used_map(self) -> None:
         used = self._get_local_used_map()
         self._used_work = (used, dist.all_reduce(used, group=self.group, async_op=True))
@@ -406,10 +439,7 @@ class Reducer:
         try:
             self.step += 1
             self.timer.start()
-            for bucket in self.buckets:
-                result = self.waiter.wait(self.step, bucket.index, bucket.names, bucket.work)
-                unused = self._unused_in(bucket)
-                gradient_path.finish(bucket, result, unused)
+            self.finishing.drain(self.buckets, functools.partial(self._finish_bucket, step=self.step))
             self.timer.stop()
             self._record_stats()
             if self.static_graph and self.rebuild_order and not self.has_rebuilt:  # torch appends the unused
@@ -449,6 +479,7 @@ class Reducer:
             "collectives": len(self.buckets) + (self._used_work is not None),
             "wait_s": None,  # read lazily from the timer (a CUDA sync on GPU)
             "buckets": len(self.buckets),
+            "finished_early": self.finishing.early,  # finished from the hooks, before backward ended
         }
 
     def stats(self) -> dict:
@@ -476,6 +507,7 @@ class Reducer:
         self._scale, self._divisor = 1.0 / self.world_size, self.world_size
         self._used_work = self._globally_unused = None
         self._bytes = 0
+        self.finishing.reset()
         self._remove_outputs_hook()
 
     def _abort_backward(self) -> None:
