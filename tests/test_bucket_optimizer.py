@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from fastpar._spawn import spawn
 
 from fastpar.ddp.bucket_optimizer import (
     choose_buckets,
@@ -20,6 +19,7 @@ from fastpar.ddp.bucket_optimizer import (
 )
 from fastpar.ddp.perf_profile import CollectiveTable, Profile
 from fastpar.ddp.step_simulator import GradArrival, StepTimeline, SyncCosts, simulate_step
+from fastpar.launcher import spawn
 
 
 def affine(alpha: float, beta: float):

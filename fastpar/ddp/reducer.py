@@ -16,6 +16,7 @@ remaining bucket (a deadline that names missing ranks), finish it into ``.grad``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import weakref
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import gradient_path
+from .auto_buckets import AutoBuckets
 from .buckets import ParamSlot, assign_buckets, build_buckets, initial_layout
 from .comm_hooks import GradBucket
 from .errors import StuckBucketDiagnoser, UnusedParametersError, pg_timeout_seconds
@@ -36,6 +38,7 @@ _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _COPY_ON_ARRIVAL_MIN_NUMEL = 1 << 18  # CPU, 1 MiB of fp32: below, per-tensor dispatch costs more than it saves
 _work_of = operator.attrgetter("work")
+_NOT_TIMED = contextlib.nullcontext()
 
 
 class Reducer:
@@ -52,6 +55,7 @@ class Reducer:
         find_unused: bool,
         alias_divides: bool,
         instance_id: int,
+        auto_buckets: bool = False,
     ) -> None:
         self.group, self.world_size = group, group.size()
         self.device = params[0].device
@@ -99,6 +103,8 @@ class Reducer:
         self._outputs_hook = None
         self._bytes = 0
         self.finishing = FinishQueue()  # buckets finished so far this backward, in order
+        self.auto = AutoBuckets(self.device) if auto_buckets else None  # bucket_cap_mb="auto"
+        self._recorder = None  # a StepRecorder while "auto" measures this step
 
     def set_copy_on_arrival(self, min_numel: int | None) -> None:
         """Copy fresh gradients of at least ``min_numel`` elements into their bucket as they arrive (view mode;
@@ -110,6 +116,8 @@ class Reducer:
     def prepare_for_forward(self) -> None:
         self._check_health()
         self.num_iterations += 1
+        if self.auto is not None:
+            self._recorder = self.auto.forward_started()
 
     @torch._disable_dynamo  # called from DDP.forward: opaque to torch.compile, as torch's C++ reducer
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
@@ -131,7 +139,15 @@ class Reducer:
     @torch._disable_dynamo  # called from DDP.forward: opaque to torch.compile, as torch's C++ reducer
     def _rebuild_buckets(self) -> bool:
         """Once, before the forward after the first reducing backward: re-bucket in the order gradients
-        arrived on rank 0 (broadcast, so every rank agrees). True when it rebuilt."""
+        arrived on rank 0 (broadcast, so every rank agrees). True when it rebuilt. With
+        ``bucket_cap_mb="auto"`` also where its decisions are taken (every rank at the same forward)."""
+        rebuilt = self._rebuild_in_arrival_order()
+        if self.auto is not None and self.auto.due:
+            self._check_health()
+            self.auto.decide(self)
+        return rebuilt
+
+    def _rebuild_in_arrival_order(self) -> bool:
         if not self._should_rebuild() or not self.rebuild_order:
             return False
         self._check_health()
@@ -140,14 +156,23 @@ class Reducer:
         order_t = torch.tensor(order, dtype=torch.int64, device=self.device)
         dist.broadcast(order_t, group=self.group, group_src=0)
         self.rebuild_order, self.has_rebuilt = [], True
-        assignment = assign_buckets([s.param for s in self.slots], order_t.tolist(), self.caps)
-        if assignment != [[s.index for s in b.slots] for b in self.buckets]:
-            self.buckets = build_buckets(self.slots, assignment, self.grad_views, self.grad_dtype)
+        self._apply_layout(assign_buckets([s.param for s in self.slots], order_t.tolist(), self.caps))
         return True
+
+    def layout(self) -> list[list[int]]:
+        """The buckets as lists of parameter indices, in launch order."""
+        return [[s.index for s in b.slots] for b in self.buckets]
+
+    def _apply_layout(self, assignment: list[list[int]]) -> None:
+        """Re-bucket (between steps; the same ``assignment`` on every rank). Gradients move into the new views."""
+        if assignment != self.layout():
+            self.buckets = build_buckets(self.slots, assignment, self.grad_views, self.grad_dtype)
 
     def _push_all_rebuilt_params(self) -> None:
         """A joined rank: rebuild as if every parameter had arrived, in index order (torch's semantics)."""
         self.rebuild_order = list(range(len(self.slots)))
+        if self.auto is not None:
+            self.auto.freeze(self, "join(): uneven inputs")
 
     def _set_static_graph(self) -> None:
         if self.num_iterations or self.num_backwards:
@@ -179,6 +204,8 @@ class Reducer:
     @torch._disable_dynamo  # called from DDP.forward: opaque to torch.compile, as torch's C++ reducer
     def _set_forward_pass_work_handle(self, work, divide_by_initial_world_size: bool) -> None:
         self._join = (work, divide_by_initial_world_size)
+        if self.auto is not None:  # joined ranks stop counting steps: keep the layout as it is
+            self.auto.freeze(self, "join(): uneven inputs")
 
     def _get_local_used_map(self) -> torch.Tensor:
         return torch.tensor([int(s.used) for s in self.slots], dtype=torch.int32).to(self.device)
@@ -290,6 +317,8 @@ class Reducer:
         if arrived:
             if self._recording_order():
                 self.rebuild_order.append(slot.index)
+            if self._recorder is not None:
+                self._recorder.ready(slot.index)
             grad = slot.param.grad
             if (
                 self._arrival_min is not None
@@ -297,7 +326,8 @@ class Reducer:
                 and grad is not None
                 and grad is not slot.grad_view
             ):
-                gradient_path.stage(bucket, [slot], self._bucket_scale())
+                with self._timed("pack", (slot,)):
+                    gradient_path.stage(bucket, [slot], self._bucket_scale())
                 slot.staged = True
         bucket.pending -= 1
         if bucket.pending == 0 and bucket.index == self._next:
@@ -338,13 +368,14 @@ class Reducer:
         if not self.alias_divides and (self.find_unused or self.static_graph):
             keep_stale = frozenset(s.index for s in rest if s.param.grad is s.grad_view and self._locally_unused(s))
         hooked = self.comm_hook is not None
-        gradient_path.stage(
-            bucket,
-            rest,
-            self._bucket_scale(),
-            alias_divisor=self._divisor if self.alias_divides and not hooked else None,
-            keep_stale=keep_stale,
-        )
+        with self._timed("pack", rest):
+            gradient_path.stage(
+                bucket,
+                rest,
+                self._bucket_scale(),
+                alias_divisor=self._divisor if self.alias_divides and not hooked else None,
+                keep_stale=keep_stale,
+            )
         self._bytes += bucket.nbytes
         if hooked:
             hook, state = self.comm_hook
@@ -366,7 +397,14 @@ class Reducer:
 
     def _finish_bucket(self, bucket, step: int) -> None:
         result = self.waiter.wait(step, bucket.index, bucket.names, bucket.work)
-        gradient_path.finish(bucket, result, self._unused_in(bucket))
+        with self._timed("finish", bucket.slots):
+            gradient_path.finish(bucket, result, self._unused_in(bucket))
+
+    def _timed(self, kind: str, slots: Sequence[ParamSlot]):
+        """Times the reducer's own work on ``slots``' gradients while "auto" records this step."""
+        if self._recorder is None:
+            return _NOT_TIMED
+        return self._recorder.timed(kind, sum(s.numel * s.param.element_size() for s in slots))
 
     def _unused_known(self, bucket) -> bool:
         """Whether :meth:`_unused_in` can answer for ``bucket`` now, without the used-map all-reduce (which
@@ -438,10 +476,14 @@ class Reducer:
         """End of a reducing backward: wait for and finish every bucket, then record and learn."""
         try:
             self.step += 1
+            if self._recorder is not None:
+                self._recorder.backward_end()
             self.timer.start()
             self.finishing.drain(self.buckets, functools.partial(self._finish_bucket, step=self.step))
             self.timer.stop()
             self._record_stats()
+            if self.auto is not None:
+                self.auto.step_done(self)
             if self.static_graph and self.rebuild_order and not self.has_rebuilt:  # torch appends the unused
                 self.rebuild_order += sorted(s.index for s in self.slots if s.expected_fires == 0)
         except BaseException:
@@ -485,6 +527,8 @@ class Reducer:
     def stats(self) -> dict:
         stats = dict(self.last_stats)
         stats["wait_s"] = self.timer.seconds() if self.step else 0.0
+        if self.auto is not None:
+            stats["auto"] = self.auto.summary()
         return stats
 
     def _end_backward(self) -> None:
