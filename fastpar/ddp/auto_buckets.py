@@ -207,14 +207,16 @@ class AutoBuckets:
                 key=lambda g: (g.ready_s, g.index),
             )  # fmt: skip
             timeline = StepTimeline(grads, max(backward_s, grads[-1].ready_s))
-            costs = SyncCosts(pack_s_per_byte=pack, unpack_s_per_byte=finish, comm_bytes_per_byte=comm_bytes / grad_bytes)
+            costs = SyncCosts(
+                pack_s_per_byte=pack, unpack_s_per_byte=finish, comm_bytes_per_byte=comm_bytes / grad_bytes
+            )
             comm, costs, fit = fit_wire(timeline, current, table.seconds_at, costs, sync_s)
             slowed = 1.0 + costs.wire_slowdown
             contended = optimal_buckets(timeline, lambda n: comm(n) * slowed, replace(costs, wire_slowdown=0.0))
             plan = plan_buckets(timeline, comm, costs, extra={"current layout": current,
                                                               "optimal split, wire contended": contended})  # fmt: skip
             now = plan.candidates["current layout"]
-            change = plan.prediction.step_s < now * (1.0 - KEEP_MARGIN) and plan.buckets != current
+            change = plan.candidates[plan.chosen] < now * (1.0 - KEEP_MARGIN) and plan.buckets != current
             decision = {
                 "buckets": plan.buckets if change else None,
                 "chosen": plan.chosen if change else "current layout",
