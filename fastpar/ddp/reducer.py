@@ -74,9 +74,9 @@ class Reducer:
         with torch.enable_grad():  # the AccumulateGrad nodes, kept alive as torch's reducer keeps them
             for slot in self.slots:
                 slot.acc = slot.param.view_as(slot.param).grad_fn.next_functions[0][0]
-        on_grad = weakref.WeakMethod(self._on_grad)  # hooks must not keep a dropped wrapper alive
+        me = weakref.ref(self)  # hooks must not keep a dropped wrapper alive
         self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(_hook, on_grad, i)) for i, p in enumerate(params)
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, me, i)) for i, p in enumerate(params)
         ]
         # torch Reducer counters and learned state
         self.num_iterations = 0
@@ -269,8 +269,13 @@ class Reducer:
 
     # ---- the hook: one parameter's gradient has been accumulated --------------------------------
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        # hot path (once per parameter per backward): the mode checks short-circuit on plain attributes first
         slot = self.slots[index]
-        if (self._dynamic_find() or self._static_first()) and param.grad is not None:
+        if (
+            (self.find_unused or self.static_graph)
+            and (self._dynamic_find() or self._static_first())
+            and param.grad is not None
+        ):
             slot.used = True  # also during no_sync: used in any micro-batch counts (torch's local_used_map)
         if not self.expect_hooks:
             self._accumulate_locally(slot)
@@ -280,7 +285,7 @@ class Reducer:
         elif not self._end_check_queued and not self._finalize_queued and not self._static_first():
             self._queue_end_check()  # a nested (reentrant) backward ended earlier: watch the outer one
         slot.fires += 1
-        if self._static_first():
+        if self.static_graph and self._static_first():
             return  # the first iteration of a static graph only counts; _delay_all_reduce reduces
         if self.static_graph:
             if slot.fires > slot.expected_fires:
@@ -299,9 +304,10 @@ class Reducer:
             )
         elif slot.ready:  # marked unused from the graph, yet a gradient came: a reentrant checkpoint's parameter
             self._unmark_unused(slot)
+        launched = self._next
         self._mark_ready(slot, arrived=True)
-        if self.finishing.finished < self._next:
-            self._finish_early()
+        if self._next != launched and self.finishing.finished < launched:
+            self._finish_early()  # each time a bucket goes out: finish the earlier ones already back
 
     def _accumulate_locally(self, slot: ParamSlot) -> None:
         """no_sync: keep accumulating in the bucket view (torch's view semantics leave a fresh gradient alone)."""
@@ -315,7 +321,7 @@ class Reducer:
         slot.ready = True
         bucket = slot.bucket
         if arrived:
-            if self._recording_order():
+            if not self.has_rebuilt and self._recording_order():
                 self.rebuild_order.append(slot.index)
             if self._recorder is not None:
                 self._recorder.ready(slot.index)
@@ -603,6 +609,12 @@ class Reducer:
             self._remove_autograd_hooks()
         if hasattr(self, "waiter"):
             self.waiter.close()
+
+
+def _grad_hook(reducer: weakref.ref, index: int, param: torch.Tensor) -> None:
+    bound = reducer()
+    if bound is not None:
+        bound._on_grad(index, param)
 
 
 def _hook(method: weakref.WeakMethod, index, *args) -> None:
