@@ -59,6 +59,28 @@ def test_fit_wire_scale_by_hand():
     assert comm(123) == pytest.approx(0.3, rel=1e-6)
 
 
+def test_shortlist_tries_the_predicted_best_and_a_layout_with_half_its_buckets():
+    from fastpar.ddp.auto_buckets import shortlist
+    from fastpar.ddp.bucket_optimizer import BucketPlan
+
+    current = [[0], [1], [2], [3]]
+    layouts = {
+        "current layout": current,
+        "split": [[0, 1], [2], [3]],  # 3 buckets, predicted best
+        "cap 4 MB": [[0], [1], [2], [3]],  # the current layout again
+        "cap 25 MB": [[0, 1, 2, 3]],  # 1 bucket <= 3 // 2
+    }
+    predicted = {"current layout": 1.0, "split": 0.9, "cap 4 MB": 1.0, "cap 25 MB": 1.5}
+    plan = BucketPlan(layouts["split"], None, "split", predicted, layouts)
+    assert shortlist(plan, current) == [("split", layouts["split"]), ("cap 25 MB", layouts["cap 25 MB"])]
+    # a best within KEEP_MARGIN of the current layout is not worth measuring; half of 4 buckets is 2
+    plan = BucketPlan(layouts["split"], None, "split", predicted | {"split": 0.99}, layouts)
+    assert shortlist(plan, current) == [("cap 25 MB", layouts["cap 25 MB"])]
+    # nothing with fewer buckets that differs from what is listed: only the best
+    plan = BucketPlan(current, None, "current layout", {"current layout": 1.0}, {"current layout": current})
+    assert shortlist(plan, current) == []
+
+
 class _ScriptedClock:
     """Host stamps taken from a script: the recorder's arithmetic without real time."""
 
@@ -122,7 +144,9 @@ def _force_one_bucket_per_parameter(keep: bool = True) -> None:
 
     def plan(timeline, comm, costs=None, caps_mb=(), extra=None):
         buckets = [[g.index] for g in timeline.grads]  # arrival order
-        return BucketPlan(buckets, None, "one per parameter", {"current layout": 1.0, "one per parameter": 0.5})
+        candidates = {"current layout": 1.0, "one per parameter": 0.5}
+        layouts = {"current layout": extra["current layout"], "one per parameter": buckets}
+        return BucketPlan(buckets, None, "one per parameter", candidates, layouts)
 
     auto_buckets.plan_buckets = plan
     if keep:  # the new layout's steps "measure" 0 s: the verification keeps it
@@ -230,16 +254,17 @@ def _rollback_rank(rank: int, world_size: int) -> dict:
     gen = torch.Generator().manual_seed(rank)
     before = None
     for _ in range(12):
-        if model.reducer.auto.phase == "verify" and before is None:
-            before = model.reducer.auto._before
-            model.reducer.auto._before_step_s = 0.0  # the old layout "measured" infinitely fast: must roll back
+        auto = model.reducer.auto
+        if auto.phase == "verify" and before is None:
+            before = auto._measured["current layout"][1]
+            auto._measured["current layout"] = (0.0, before)  # "measured" infinitely fast: must be kept
         model(make_input("mlp", gen)).sum().backward()
     return {"before": before, "after": model.reducer.layout(), "auto": model.reducer.auto.summary()}
 
 
 def test_a_prediction_that_does_not_hold_is_rolled_back():
     for result in spawn(_rollback_rank, 2, timeout=300):
-        assert result["auto"]["kept"] == "previous layout" and result["auto"]["phase"] == "done"
+        assert result["auto"]["kept"] == "current layout" and result["auto"]["phase"] == "done"
         assert result["before"] is not None and result["after"] == result["before"]
 
 
@@ -261,3 +286,20 @@ def _join_rank(rank: int, world_size: int) -> dict:
 def test_join_stops_auto_where_it_is():
     for summary in spawn(_join_rank, 2, timeout=300):
         assert summary["phase"] == "off" and "join()" in summary["stopped"]
+
+
+def test_readme_example_runs_as_written():
+    import os
+    import re
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    example = root / "examples" / "ddp_auto_buckets.py"
+    readme = (root / "README.md").read_text()
+    shown = re.search(r"```python\n(\"\"\"fastpar DDP choosing its own buckets.*?)```", readme, flags=re.S)
+    assert shown is not None and shown.group(1) == example.read_text(), "README shows examples/ddp_auto_buckets.py"
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "bucket_cap_mb='auto': done; chose " in run.stdout and "predicted sync per step (ms):" in run.stdout

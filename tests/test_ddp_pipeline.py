@@ -218,3 +218,25 @@ def test_coalesced_rejects_unsupported_dtypes_before_any_collective(no_process_g
 
     with pytest.raises(TypeError, match=r"tensors\[1\] has dtype torch.int64"):
         CoalescedAllReduce([torch.zeros(2), torch.zeros(2, dtype=torch.int64)])
+
+
+def test_cuda_hook_futures_are_not_polled_but_works_are(no_process_group):
+    """On CUDA a comm hook's future is done when queued, not run: DDP must not finish it early (the compute
+    stream would wait for the collective); a Work's is_completed() is the GPU's own answer. Checked on a
+    1-rank gloo group with the reducer told it lives on CUDA."""
+    import torch.distributed as dist
+
+    import fastpar
+    from fastpar.launcher import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    model = fastpar.DDP(nn.Linear(4, 4))
+    reducer = model.reducer
+    bucket = reducer.buckets[0]
+    work = dist.all_reduce(torch.zeros(4), async_op=True)
+    work.wait()
+    for device, handle, expected in (("cpu", work.get_future(), "same"), ("cuda", work.get_future(), None),
+                                     ("cuda", work, "same"), ("cpu", work, "same")):  # fmt: skip
+        reducer.device, bucket.work = torch.device(device), handle
+        assert reducer._pollable(bucket) is (handle if expected == "same" else None)
+    reducer.device, bucket.work = torch.device("cpu"), None

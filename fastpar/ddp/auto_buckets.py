@@ -13,11 +13,13 @@ fastpar predicts, then verifies. Counted in synchronised backwards (the same cou
    the slowest); on rank 0 the step simulator -- with a wire slowdown fitted so that the current layout's
    predicted end of the sync matches the measured one (:func:`fit_wire`) -- prices the current layout, the
    optimal split (exact without contention, and again with the wire slowed as fitted throughout) and
-   torch-style caps of 1..100 MB (``bucket_optimizer.plan_buckets``). A layout predicted at least
-   ``KEEP_MARGIN`` faster than the current one is broadcast and built on every rank.
-4. verify: ``MEASURE_STEPS`` steps with the new layout (after ``WARMUP_STEPS``); at the next forward the
-   ranks compare the median
-   steps (maxed over the ranks: every rank decides alike) and keep the faster layout.
+   torch-style caps of 1..100 MB (``bucket_optimizer.plan_buckets``); rank 0 broadcasts a short list
+   (:func:`shortlist`): the predicted best, if predicted at least ``KEEP_MARGIN`` faster than the current
+   layout, and the best predicted with at most half as many buckets.
+4. verify: each listed layout is built on every rank and measured for ``MEASURE_STEPS`` steps (after
+   ``WARMUP_STEPS``); at the next forward the ranks take its median step (maxed over the ranks, so every
+   rank decides alike). When all are measured, the fastest measured layout -- the current one included --
+   is kept.
 
 Inside ``join()`` (uneven inputs) the joined ranks stop counting steps, so "auto" stops where it is.
 At world size > 2 a layout change changes the all-reduce's summation order: the results are no longer
@@ -40,7 +42,7 @@ from .perf_profile import CollectiveTable
 from .step_recorder import StepRecorder
 from .step_simulator import GradArrival, StepTimeline, SyncCosts, simulate_step
 
-__all__ = ["AutoBuckets", "fit_wire", "measure_allreduce", "sweep_sizes"]
+__all__ = ["AutoBuckets", "fit_wire", "measure_allreduce", "shortlist", "sweep_sizes"]
 
 WARMUP_STEPS = 2
 MEASURE_STEPS = 5
@@ -138,8 +140,9 @@ class AutoBuckets:
         self.phase = "settle"  # settle -> measure -> decide -> verify -> judge -> done (or off)
         self.recorder = StepRecorder(device)
         self._warm = 0
-        self._before: list[list[int]] | None = None
-        self._before_step_s = 0.0
+        self._trials: list[tuple[str, list[list[int]]]] = []  # layouts still to measure
+        self._trying: tuple[str, list[list[int]]] | None = None
+        self._measured: dict[str, tuple[float, list[list[int]]]] = {}  # name -> (median step s, buckets)
         self.report: dict = {}
 
     @property
@@ -215,41 +218,55 @@ class AutoBuckets:
             contended = optimal_buckets(timeline, lambda n: comm(n) * slowed, replace(costs, wire_slowdown=0.0))
             plan = plan_buckets(timeline, comm, costs, extra={"current layout": current,
                                                               "optimal split, wire contended": contended})  # fmt: skip
-            now = plan.candidates["current layout"]
-            change = plan.candidates[plan.chosen] < now * (1.0 - KEEP_MARGIN) and plan.buckets != current
             decision = {
-                "buckets": plan.buckets if change else None,
-                "chosen": plan.chosen if change else "current layout",
+                "trials": shortlist(plan, current),
+                "chosen": plan.chosen,
                 "predicted_ms": {k: v * 1e3 for k, v in plan.candidates.items()},
                 "fit": fit,
                 "sweep_ms": {n: t * 1e3 for n, t in zip(table.nbytes, table.seconds, strict=True)},
             }
         decision = broadcast_decision(decision, group)
-        self._before, self._before_step_s = current, step_s
-        buckets = decision.pop("buckets")
-        self.report.update(decision, measured_step_ms={"before": step_s * 1e3})
+        self._trials = decision.pop("trials")
+        self._measured = {"current layout": (step_s, current)}
+        self.report.update(decision, measured_step_ms={"current layout": step_s * 1e3})
+        self._next_trial(reducer)
+
+    def _next_trial(self, reducer) -> None:
+        """Build the next layout to measure, or, when all are measured, the fastest one measured."""
         self.recorder.reset()
-        if buckets is None:
-            self.phase = "done"
-            self.report["kept"] = "current layout"
-        else:
-            reducer._apply_layout(buckets)
+        if self._trials:
+            self._trying = self._trials.pop(0)
+            reducer._apply_layout(self._trying[1])
             self.phase, self._warm = "verify", 0
-        self.report["buckets"] = len(reducer.buckets)
+            return
+        kept = min(self._measured, key=lambda name: self._measured[name][0])
+        reducer._apply_layout(self._measured[kept][1])
+        self.phase = "done"
+        self.report.update(kept=kept, buckets=len(reducer.buckets))
         _log.info("fastpar DDP bucket_cap_mb='auto': %s", self.report)
 
     def _judge(self, reducer) -> None:
-        times = torch.tensor([self._before_step_s, self.recorder.median_step_s()], dtype=torch.float64,
-                             device=reducer.device)  # fmt: skip
-        dist.all_reduce(times, op=dist.ReduceOp.MAX, group=reducer.group)
-        before, after = times.tolist()
-        self.report["measured_step_ms"] = {"before": before * 1e3, "after": after * 1e3}
-        if after > before:  # the prediction did not hold here: back to the measured layout
-            reducer._apply_layout(self._before)
-            self.report["kept"] = "previous layout"
-        else:
-            self.report["kept"] = self.report["chosen"]
-        self.report["buckets"] = len(reducer.buckets)
-        self.recorder.reset()
-        self.phase = "done"
-        _log.info("fastpar DDP bucket_cap_mb='auto': %s", self.report)
+        median = torch.tensor([self.recorder.median_step_s()], dtype=torch.float64, device=reducer.device)
+        dist.all_reduce(median, op=dist.ReduceOp.MAX, group=reducer.group)  # every rank decides alike
+        name, buckets = self._trying
+        self._measured[name] = (median.item(), buckets)
+        self.report["measured_step_ms"][name] = median.item() * 1e3
+        self._next_trial(reducer)
+
+
+def shortlist(plan, current: list[list[int]]) -> list[tuple[str, list[list[int]]]]:
+    """The layouts to measure besides the current one: the predicted best, if predicted at least ``KEEP_MARGIN``
+    faster than the current layout, and the predicted best of those with at most half its buckets -- the
+    simulator does not see what each collective costs the compute of CPU ranks (gloo's threads share the
+    cores), so fewer, larger buckets are measured too. Layouts equal to one already listed are left out."""
+    ranked = sorted(plan.candidates, key=plan.candidates.get)
+    best = ranked[0]
+    picks = [best] if plan.candidates[best] < plan.candidates["current layout"] * (1.0 - KEEP_MARGIN) else []
+    most = max(1, len(plan.layouts[best]) // 2)
+    picks += [name for name in ranked if len(plan.layouts[name]) <= most][:1]
+    trials, seen = [], [current]
+    for name in picks:
+        if plan.layouts[name] not in seen:
+            trials.append((name, plan.layouts[name]))
+            seen.append(plan.layouts[name])
+    return trials

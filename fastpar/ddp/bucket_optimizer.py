@@ -178,6 +178,7 @@ class BucketPlan:
     prediction: StepPrediction
     chosen: str  # "optimal split" or "cap 25 MB" (the candidate that won)
     candidates: dict[str, float] = field(default_factory=dict)  # candidate -> predicted step seconds
+    layouts: dict[str, list[list[int]]] = field(default_factory=dict)  # candidate -> its buckets
 
 
 def plan_buckets(
@@ -201,6 +202,7 @@ def plan_buckets(
         prediction=predicted[chosen],
         chosen=chosen,
         candidates={name: p.step_s for name, p in predicted.items()},
+        layouts=layouts,
     )
 
 

@@ -10,7 +10,9 @@ later ones are still on the wire. Polling never blocks:
 - gloo: ``Work.is_completed()`` / ``Future.done()`` read a flag the worker thread set.
 - NCCL: ``Work.is_completed()`` queries the collective's end event (``cudaEventQuery``, no host sync);
   the finish then orders the current stream after that event (``work.wait()``, already passed on the
-  GPU) and queues the unpack kernel there, so nothing waits on the host.
+  GPU) and queues the unpack kernel there, so nothing waits on the host. A comm hook's ``Future`` on
+  CUDA is done once its work is *queued*; finishing it early would stall the compute stream, so DDP
+  leaves those to the end of backward (``Reducer._pollable``).
 
 Whoever finishes decides when it is safe: DDP only once no gradient of the bucket can change any more.
 """
@@ -28,7 +30,7 @@ T = TypeVar("T")
 
 
 def is_done(handle) -> bool:
-    """Whether a collective's ``Work`` or a comm hook's ``Future`` has completed (never blocks)."""
+    """Whether a collective's ``Work`` or a comm hook's ``Future`` has completed (never blocks; None: unknown, so no)."""
     if handle is None:
         return False
     if isinstance(handle, torch._C.Future):

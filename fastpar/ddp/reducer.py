@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import weakref
 from collections.abc import Sequence
 
@@ -37,7 +36,6 @@ _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _COPY_ON_ARRIVAL_MIN_NUMEL = 1 << 18  # CPU, 1 MiB of fp32: below, per-tensor dispatch costs more than it saves
-_work_of = operator.attrgetter("work")
 _NOT_TIMED = contextlib.nullcontext()
 
 
@@ -394,9 +392,17 @@ class Reducer:
     def _finish_early(self) -> None:
         """Finish the launched buckets whose collectives are already back, in order; never waits."""
         try:
-            self.finishing.poll(self.buckets, self._next, _work_of, self._finish_next_step, self._unused_known)
+            self.finishing.poll(self.buckets, self._next, self._pollable, self._finish_next_step, self._unused_known)
         except Exception as exc:  # the collective failed: end this backward cleanly, name the bucket
             self._fail(exc, abort=True)
+
+    def _pollable(self, bucket):
+        """The handle whose completion means ``bucket``'s result is there. A comm hook's future on CUDA is done
+        once its work is queued, not run: finishing then would make the compute stream wait for the collective
+        mid-backward, so such buckets are finished at the end."""
+        if self.device.type == "cuda" and isinstance(bucket.work, torch._C.Future):
+            return None
+        return bucket.work
 
     def _finish_next_step(self, bucket) -> None:
         self._finish_bucket(bucket, self.step + 1)  # _finalize counts the step when backward ends
