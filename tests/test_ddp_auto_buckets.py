@@ -303,3 +303,29 @@ def test_readme_example_runs_as_written():
     run = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "bucket_cap_mb='auto': done; chose " in run.stdout and "predicted sync per step (ms):" in run.stdout
+
+
+def _failing_plan_rank(rank: int, world_size: int) -> dict:
+    from test_ddp_models import MLP, make_input
+
+    import fastpar
+
+    _short_phases()
+
+    def broken(*args, **kwargs):
+        raise ArithmeticError("planner bug")
+
+    auto_buckets.plan_buckets = broken  # only rank 0 plans: the others must not wait for it forever
+    torch.manual_seed(0)
+    model = fastpar.DDP(MLP(), bucket_cap_mb="auto")
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(10):
+        model(make_input("mlp", gen)).sum().backward()
+    return {"auto": model.reducer.auto.summary()}
+
+
+def test_a_planning_error_on_rank0_keeps_the_layout_on_every_rank():
+    results = spawn(_failing_plan_rank, 2, timeout=300)
+    for result in results:
+        assert result["auto"]["phase"] == "done" and result["auto"]["kept"] == "current layout"
+        assert "planner bug" in result["auto"]["error"]

@@ -198,33 +198,16 @@ class AutoBuckets:
         maxed = torch.tensor(local, dtype=torch.float64, device=device)
         dist.all_reduce(maxed, op=dist.ReduceOp.MAX, group=group)
         *ready, backward_s, sync_s, step_s, pack, finish = maxed.tolist()
-        grad_bytes = sum(s.numel * s.param.element_size() for s in slots)
         comm_bytes = sum(b.nbytes for b in reducer.buckets)
         table = measure_allreduce(group, device, sweep_sizes(comm_bytes))
         current = reducer.layout()
         decision = None
         if dist.get_rank(group) == 0:
-            grads = sorted(
-                (GradArrival(s.index, s.numel * s.param.element_size(), str(s.param.dtype).removeprefix("torch."),
-                             ready[s.index]) for s in slots),
-                key=lambda g: (g.ready_s, g.index),
-            )  # fmt: skip
-            timeline = StepTimeline(grads, max(backward_s, grads[-1].ready_s))
-            costs = SyncCosts(
-                pack_s_per_byte=pack, unpack_s_per_byte=finish, comm_bytes_per_byte=comm_bytes / grad_bytes
-            )
-            comm, costs, fit = fit_wire(timeline, current, table.seconds_at, costs, sync_s)
-            slowed = 1.0 + costs.wire_slowdown
-            contended = optimal_buckets(timeline, lambda n: comm(n) * slowed, replace(costs, wire_slowdown=0.0))
-            plan = plan_buckets(timeline, comm, costs, extra={"current layout": current,
-                                                              "optimal split, wire contended": contended})  # fmt: skip
-            decision = {
-                "trials": shortlist(plan, current),
-                "chosen": plan.chosen,
-                "predicted_ms": {k: v * 1e3 for k, v in plan.candidates.items()},
-                "fit": fit,
-                "sweep_ms": {n: t * 1e3 for n, t in zip(table.nbytes, table.seconds, strict=True)},
-            }
+            try:
+                decision = _plan(slots, ready, backward_s, sync_s, pack, finish, comm_bytes, table, current)
+            except Exception as exc:  # never leave the other ranks waiting in the broadcast
+                _log.warning("fastpar DDP bucket_cap_mb='auto': planning failed, keeping the layout: %r", exc)
+                decision = {"trials": [], "chosen": "current layout", "error": repr(exc)}
         decision = broadcast_decision(decision, group)
         self._trials = decision.pop("trials")
         self._measured = {"current layout": (step_s, current)}
@@ -252,6 +235,30 @@ class AutoBuckets:
         self._measured[name] = (median.item(), buckets)
         self.report["measured_step_ms"][name] = median.item() * 1e3
         self._next_trial(reducer)
+
+
+def _plan(slots, ready, backward_s, sync_s, pack, finish, comm_bytes, table, current) -> dict:
+    """Rank 0's decision from the slowest ranks' measurements: the short list, and what it was based on."""
+    grads = sorted(
+        (GradArrival(s.index, s.numel * s.param.element_size(), str(s.param.dtype).removeprefix("torch."),
+                     ready[s.index]) for s in slots),
+        key=lambda g: (g.ready_s, g.index),
+    )  # fmt: skip
+    timeline = StepTimeline(grads, max(backward_s, grads[-1].ready_s))
+    grad_bytes = sum(g.nbytes for g in grads)
+    costs = SyncCosts(pack_s_per_byte=pack, unpack_s_per_byte=finish, comm_bytes_per_byte=comm_bytes / grad_bytes)
+    comm, costs, fit = fit_wire(timeline, current, table.seconds_at, costs, sync_s)
+    slowed = 1.0 + costs.wire_slowdown
+    contended = optimal_buckets(timeline, lambda n: comm(n) * slowed, replace(costs, wire_slowdown=0.0))
+    plan = plan_buckets(timeline, comm, costs, extra={"current layout": current,
+                                                      "optimal split, wire contended": contended})  # fmt: skip
+    return {
+        "trials": shortlist(plan, current),
+        "chosen": plan.chosen,
+        "predicted_ms": {k: v * 1e3 for k, v in plan.candidates.items()},
+        "fit": fit,
+        "sweep_ms": {n: t * 1e3 for n, t in zip(table.nbytes, table.seconds, strict=True)},
+    }
 
 
 def shortlist(plan, current: list[list[int]]) -> list[tuple[str, list[list[int]]]]:
