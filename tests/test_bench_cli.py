@@ -74,6 +74,7 @@ def test_fusion_two_ranks_reports_share_of_single(tmp_path, capsys):
         "async_one_wait",
         "torch_coalesced",
         "fastpar_bucketed",
+        "fastpar_call",
         "fastpar_views",
         "single",
     ]
@@ -276,3 +277,29 @@ def test_ddp_variants_skip_only_what_torch_lacks():
     mlp = build_model("mlp")
     assert sum(p.numel() for p in mlp.parameters()) == 16 * (1024 * 1024 + 1024)
     assert mlp(torch.zeros(2, 1024)).shape == (2, 1024)
+
+
+def test_ddp_goal_lines_compare_with_the_best_fp32_torch_variant_and_the_best_fixed_cap():
+    from fastpar.bench.ddp_step import _goal_lines
+
+    seconds = {"no_comm": 1.0, "ddp": 2.0, "ddp_bucket_view": 1.8, "ddp_fp16_hook": 1.0, "fastpar_fp32": 1.62,
+               "fastpar_bf16": 0.86, "fastpar_cap_1": 1.7, "fastpar_cap_4": 1.6, "fastpar_cap_25": 1.9,
+               "fastpar_auto": 1.61}  # fmt: skip
+    lines, met = _goal_lines("m", seconds)
+    # the fp16 hook is not an fp32 variant: the best fp32 torch variant is ddp_bucket_view (1.62 / 1.8 = 0.90)
+    assert "goal m: fastpar_fp32 <= 0.92x the best fp32 torch variant (ddp_bucket_view): 0.90x -> MET" in lines
+    assert "goal m: fastpar_bf16 <= 0.85x ddp_fp16_hook: 0.86x -> NOT MET" in lines
+    assert "goal m: fastpar_auto <= 1.00x the best fixed cap (fastpar_cap_4): 1.01x -> NOT MET" in lines
+    assert met == {
+        "m: fastpar_fp32 / the best fp32 torch variant (ddp_bucket_view)": True,
+        "m: fastpar_bf16 / ddp_fp16_hook": False,
+        "m: fastpar_auto / the best fixed cap (fastpar_cap_4)": False,
+    }
+
+
+def test_ddp_auto_variant_settles_before_timing(capsys):
+    argv = ["ddp", "--nproc", "2", "--models", "blocks", "--variants", "fastpar_auto,fastpar_cap_4,fastpar_cap_25"]
+    assert main([*argv, "--batch", "8", "-n", "1", "-w", "0", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "goal blocks: fastpar_auto <= 1.00x the best fixed cap" in out
+    assert "auto: blocks fastpar_auto: chose " in out and "kept " in out

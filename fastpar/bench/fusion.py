@@ -4,7 +4,10 @@ Paths (all in place, SUM, on the same tensors' shapes):
   one_by_one        one blocking ``dist.all_reduce`` per tensor
   async_one_wait    every tensor launched with ``async_op=True``, then all waited at the end
   torch_coalesced   ``torch.distributed.all_reduce_coalesced`` (deprecated in torch, still present)
-  fastpar_bucketed  ``fastpar.ddp.all_reduce_coalesced``: pack into flat buckets, reduce, unpack
+  fastpar_bucketed  ``fastpar.ddp.CoalescedAllReduce`` (buckets planned once, as DDP's): pack into flat
+                    buckets, reduce, unpack -- pipelined: bucket k+1 packs while k reduces, k unpacks
+                    as soon as it is back
+  fastpar_call      ``fastpar.ddp.all_reduce_coalesced``: the same path as one call, planning included
   fastpar_views     the tensors are views into flat buckets (as fastpar DDP keeps gradients):
                     one all-reduce per bucket, nothing packed
   single            one all-reduce of one tensor of the same total bytes: the floor
@@ -40,9 +43,17 @@ from .table import BenchReport, Column, PlotSpec
 DESCRIPTION = "all-reduce of many small tensors: one by one, async, coalesced, fastpar buckets vs one tensor"
 USES = {"nproc", "dtype"}
 DEFAULTS = {"iters": 5, "warmup": 1, "rounds": 3}
-VARIANTS = ("one_by_one", "async_one_wait", "torch_coalesced", "fastpar_bucketed", "fastpar_views", "single")
+VARIANTS = (
+    "one_by_one",
+    "async_one_wait",
+    "torch_coalesced",
+    "fastpar_bucketed",
+    "fastpar_call",
+    "fastpar_views",
+    "single",
+)
 SLOW_VARIANTS = ("one_by_one", "async_one_wait")
-GOAL_SHARE = 0.90  # issue 5: fastpar's bucketed path >= 90% of the single-tensor speed
+GOAL_SHARE = 0.90  # issues 5 and 11: fastpar's bucketed path >= 90% of the single-tensor speed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +95,7 @@ def build_path(
     name: str, count: int, numel: int, dtype, device, cap_mb: float | None
 ) -> tuple[list[torch.Tensor], Callable]:
     """The tensors a path reduces (as the check sees them) and one call of the path."""
-    from ..ddp import all_reduce_coalesced
+    from ..ddp import CoalescedAllReduce, all_reduce_coalesced
     from ..ddp.coalesced import plan_coalesced_buckets
 
     if name == "single":
@@ -110,6 +121,8 @@ def build_path(
 
         return tensors, torch_coalesced
     if name == "fastpar_bucketed":
+        return tensors, CoalescedAllReduce(tensors, None, bucket_cap_mb=cap_mb)
+    if name == "fastpar_call":
         return tensors, lambda: all_reduce_coalesced(tensors, None, bucket_cap_mb=cap_mb, scale=1.0)
     if name == "fastpar_views":
         buckets = plan_coalesced_buckets(tensors, cap_mb, dist.get_world_size())

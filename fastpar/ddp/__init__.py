@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
-from .coalesced import all_reduce_coalesced
+from .coalesced import CoalescedAllReduce, all_reduce_coalesced
 from .distributed import DistributedDataParallel
 from .errors import BucketTimeoutError, UnusedParametersError
 
 DDP = DistributedDataParallel
 
-__all__ = ["DDP", "BucketTimeoutError", "DistributedDataParallel", "UnusedParametersError", "all_reduce_coalesced"]
+__all__ = [
+    "DDP",
+    "BucketTimeoutError",
+    "CoalescedAllReduce",
+    "DistributedDataParallel",
+    "UnusedParametersError",
+    "all_reduce_coalesced",
+]

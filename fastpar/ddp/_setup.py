@@ -35,6 +35,17 @@ def check_grad_dtype(grad_dtype) -> None:
         raise ValueError(f"grad_dtype must be None, torch.float32, torch.float16 or torch.bfloat16, got {grad_dtype}")
 
 
+def is_auto_cap(bucket_cap_mb, bucket_cap_mb_list) -> bool:
+    """Whether ``bucket_cap_mb`` asks fastpar to choose the layout ("auto"); other values are torch's."""
+    if not isinstance(bucket_cap_mb, str):
+        return False
+    if bucket_cap_mb != "auto":
+        raise ValueError(f"bucket_cap_mb must be a number of MiB or 'auto', got {bucket_cap_mb!r}")
+    if bucket_cap_mb_list:
+        raise ValueError("bucket_cap_mb='auto' chooses every bucket's size; leave bucket_cap_mb_list unset")
+    return True
+
+
 def parent_kwargs(**kwargs) -> dict:
     """The arguments for torch's constructor; one the installed torch lacks may only hold its default."""
     out = {}

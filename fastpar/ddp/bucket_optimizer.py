@@ -34,6 +34,7 @@ CANDIDATE_CAPS_MB = (1, 2, 4, 8, 16, 25, 50, 100)
 
 __all__ = [
     "BucketPlan",
+    "broadcast_decision",
     "choose_buckets",
     "decide_buckets",
     "optimal_buckets",
@@ -177,6 +178,7 @@ class BucketPlan:
     prediction: StepPrediction
     chosen: str  # "optimal split" or "cap 25 MB" (the candidate that won)
     candidates: dict[str, float] = field(default_factory=dict)  # candidate -> predicted step seconds
+    layouts: dict[str, list[list[int]]] = field(default_factory=dict)  # candidate -> its buckets
 
 
 def plan_buckets(
@@ -184,10 +186,13 @@ def plan_buckets(
     comm: Callable,
     costs: SyncCosts | None = None,
     caps_mb: Sequence[float] = CANDIDATE_CAPS_MB,
+    extra: dict[str, list[list[int]]] | None = None,
 ) -> BucketPlan:
-    """The optimal split and torch-style layouts at ``caps_mb``, each simulated in full; the fastest wins."""
+    """The optimal split, torch-style layouts at ``caps_mb`` and the ``extra`` layouts (name -> buckets), each
+    simulated in full; the fastest wins (the first listed on a tie)."""
     costs = costs or SyncCosts()
-    layouts = {"optimal split": optimal_buckets(timeline, comm, costs)}
+    layouts = dict(extra or {})
+    layouts.setdefault("optimal split", optimal_buckets(timeline, comm, costs))
     for cap in caps_mb:
         layouts.setdefault(f"cap {cap:g} MB", torch_layout(timeline, cap))
     predicted = {name: simulate_step(timeline, buckets, comm, costs) for name, buckets in layouts.items()}
@@ -197,6 +202,7 @@ def plan_buckets(
         prediction=predicted[chosen],
         chosen=chosen,
         candidates={name: p.step_s for name, p in predicted.items()},
+        layouts=layouts,
     )
 
 
@@ -224,9 +230,7 @@ def decide_buckets(grads: Sequence[GradArrival], profile, group=None, *, src: in
     """:func:`choose_buckets` on rank ``src`` of ``group`` from the slowest rank's ready time of each
     parameter, broadcast so that every rank gets the same buckets. Call it on every rank of the group."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = group_device(group)
     counts = torch.tensor([len(grads), -len(grads)], dtype=torch.int64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=group)
     if int(counts[0]) != -int(counts[1]):
@@ -238,9 +242,20 @@ def decide_buckets(grads: Sequence[GradArrival], profile, group=None, *, src: in
     ready = torch.tensor([g.ready_s for g in by_index], dtype=torch.float64, device=device)
     dist.all_reduce(ready, op=dist.ReduceOp.MAX, group=group)  # a bucket waits for the slowest rank
     slowest = [GradArrival(g.index, g.nbytes, g.dtype, t) for g, t in zip(by_index, ready.tolist(), strict=True)]
-    decision: list = [None]
-    if rank == src:
-        decision[0] = choose_buckets(slowest, profile, world_size=world, **options).buckets
+    decision = choose_buckets(slowest, profile, world_size=world, **options).buckets if rank == src else None
+    return broadcast_decision(decision, group, src)
+
+
+def group_device(group=None) -> torch.device:
+    """The device a collective on ``group`` needs its tensors on: this rank's GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_decision(value, group=None, src: int = 0):
+    """``value`` from rank ``src`` of ``group`` (any picklable object; ignored elsewhere) on every rank."""
+    box = [value]
     global_src = src if group is None else dist.get_global_rank(group, src)
-    dist.broadcast_object_list(decision, src=global_src, group=group, device=device)
-    return decision[0]
+    dist.broadcast_object_list(box, src=global_src, group=group, device=group_device(group))
+    return box[0]

@@ -169,6 +169,8 @@ class ParamSlot:
     def grad_in_storage_order(self, grad: torch.Tensor) -> torch.Tensor | None:
         """``grad`` as a 1-D storage-order view when its layout matches the bucket's (the layout contract),
         else None (the caller copies it through the strided view)."""
+        if grad.is_contiguous() and self.param.is_contiguous():  # the common case, decided without strides
+            return grad.view(-1)
         if not self.dense:
             return grad.view(-1) if grad.is_contiguous() else None
         if not same_layout(grad, self.param):

@@ -1,15 +1,22 @@
-"""In-place all-reduce of many tensors through a few flat buffers, with packing overlapped.
+"""In-place all-reduce of many tensors through a few flat buffers, pipelined.
 
 Used by benchmarks and by code that reduces a list of tensors outside DDP (e.g. metrics, EMA weights).
-Each bucket is packed with one ``fastpar.ops.pack`` call and its collective is launched asynchronously
-before the next bucket is packed, so packing bucket i+1 overlaps reducing bucket i; bucket i is unpacked
-as soon as it is back, while the later ones are still on the wire. The flat buffers are kept between
-calls on CPU (:class:`_BufferCache`): a fresh 16 MB buffer costs 4000 page faults every call.
+Each bucket is packed with one ``fastpar.ops.pack`` call and its collective launched at once, so packing
+bucket k+1 overlaps reducing bucket k; bucket k is unpacked the moment its collective is back -- polled
+between packs (``pipeline.FinishQueue``), then in order -- while later buckets are still on the wire.
+On GPUs every step is stream-ordered (pack and unpack on the current stream, the collective on NCCL's),
+so the host never waits.
+
+:class:`CoalescedAllReduce` prepares the plan and the flat buffers once for a fixed list of tensors (as
+DDP builds its buckets once): a call then does no per-tensor Python work. :func:`all_reduce_coalesced`
+is the one-shot form; it remembers the plans of the last few tensor signatures and, on CPU, keeps the
+flat buffers between calls (:class:`_BufferCache`: a fresh 16 MB buffer costs 4000 page faults).
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -17,8 +24,11 @@ import torch.distributed as dist
 
 from .. import ops
 from .buckets import assign_buckets, default_caps
+from .pipeline import FinishQueue
 
-__all__ = ["all_reduce_coalesced", "plan_coalesced_buckets"]
+__all__ = ["CoalescedAllReduce", "all_reduce_coalesced", "plan_coalesced_buckets"]
+
+_Bucket = tuple[list[torch.Tensor], torch.Tensor]  # (members, flat buffer)
 
 
 def plan_coalesced_buckets(
@@ -30,6 +40,58 @@ def plan_coalesced_buckets(
         raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
     caps = [int(bucket_cap_mb * 1024 * 1024)] if bucket_cap_mb is not None else default_caps(tensors, world_size)
     return assign_buckets(tensors, range(len(tensors)), caps)
+
+
+def _check_dtypes(tensors: Sequence[torch.Tensor]) -> None:
+    for i, t in enumerate(tensors):
+        if t.dtype not in ops.SUPPORTED_DTYPES:
+            raise TypeError(f"all_reduce_coalesced: tensors[{i}] has dtype {t.dtype}; use float32/float16/bfloat16")
+
+
+def _reduce_buckets(buckets: Sequence[_Bucket], group: dist.ProcessGroup | None, scale: float, works: list) -> None:
+    """The pipelined path over prepared ``buckets``. ``works`` receives each launched collective (so a caller
+    whose call failed half-way knows which buffers are still in flight)."""
+    queue = FinishQueue()
+
+    def unpack(k: int) -> None:
+        works[k].wait()  # on NCCL: orders the current stream after the collective, no host sync
+        members, flat = buckets[k]
+        ops.unpack(flat, members, scale)
+
+    for members, flat in buckets:
+        ops.pack(members, flat)
+        works.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        queue.poll(range(len(works)), len(works) - 1, works.__getitem__, unpack)  # the ones already back
+    queue.drain(range(len(works)), unpack)
+
+
+class CoalescedAllReduce:
+    """A prepared in-place all-reduce (SUM, then times ``scale``) of a fixed list of tensors across ``group``.
+
+    The bucket plan (DDP's rule, :func:`plan_coalesced_buckets`) and the flat buffers are made once; each
+    call packs, reduces and unpacks through them, pipelined. Every rank must prepare tensors of the same
+    shapes, dtypes (float32/float16/bfloat16; one dtype per bucket) and order. The tensors are held, not
+    copied: each call reduces their current values."""
+
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group: dist.ProcessGroup | None = None,
+        *,
+        bucket_cap_mb: float | None = None,
+    ) -> None:
+        tensors = list(tensors)
+        _check_dtypes(tensors)
+        self.group = group
+        plan = plan_coalesced_buckets(tensors, bucket_cap_mb, dist.get_world_size(group)) if tensors else []
+        self.buckets: list[_Bucket] = []
+        for indices in plan:
+            members = [tensors[i] for i in indices]
+            flat = torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype, device=members[0].device)
+            self.buckets.append((members, flat))
+
+    def __call__(self, scale: float = 1.0) -> None:
+        _reduce_buckets(self.buckets, self.group, scale, [])
 
 
 class _BufferCache:
@@ -66,7 +128,39 @@ class _BufferCache:
                 self._bytes += nbytes
 
 
+class _PlanCache:
+    """Bucket plans of the last ``size`` tensor signatures (every tensor's numel and dtype, the device, the
+    cap, the world size): planning 4000 tensors costs more than packing them."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._plans: OrderedDict[tuple, list[list[int]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def plan(self, tensors: list[torch.Tensor], bucket_cap_mb: float | None, world_size: int) -> list[list[int]]:
+        key = (
+            tuple(map(torch.Tensor.numel, tensors)),
+            tuple(t.dtype for t in tensors),
+            tensors[0].device,
+            bucket_cap_mb,
+            world_size,
+        )
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+                return plan
+        _check_dtypes(tensors)
+        plan = plan_coalesced_buckets(tensors, bucket_cap_mb, world_size)
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self.size:
+                self._plans.popitem(last=False)
+        return plan
+
+
 _cache = _BufferCache(max_bytes=256 * 1024 * 1024)
+_plans = _PlanCache(size=16)
 
 
 def all_reduce_coalesced(
@@ -79,28 +173,22 @@ def all_reduce_coalesced(
     """All-reduce (SUM) ``tensors`` in place across ``group``, then multiply by ``scale``
     (``scale=1/world_size`` averages). Tensors may have different shapes and dtypes
     (float32/float16/bfloat16); each bucket holds one dtype. Every rank must pass tensors of the
-    same shapes, dtypes and order. ``bucket_cap_mb=None``: fastpar DDP's default caps.
+    same shapes, dtypes and order. ``bucket_cap_mb=None``: fastpar DDP's default caps. To reduce the
+    same tensors many times, :class:`CoalescedAllReduce` prepares the buckets once.
     """
     tensors = list(tensors)
     if not tensors:
         return
-    for i, t in enumerate(tensors):
-        if t.dtype not in ops.SUPPORTED_DTYPES:
-            raise TypeError(f"all_reduce_coalesced: tensors[{i}] has dtype {t.dtype}; use float32/float16/bfloat16")
-    world_size = dist.get_world_size(group)
-    pending: list[tuple[dist.Work, torch.Tensor, list[torch.Tensor]]] = []
+    plan = _plans.plan(tensors, bucket_cap_mb, dist.get_world_size(group))
+    buckets: list[_Bucket] = []
+    works: list = []
     try:
-        for indices in plan_coalesced_buckets(tensors, bucket_cap_mb, world_size):
+        for indices in plan:
             members = [tensors[i] for i in indices]
             flat = _cache.take(sum(t.numel() for t in members), members[0].dtype, members[0].device)
-            ops.pack(members, flat)
-            # launched now: the next bucket's pack runs while this one is on the wire
-            work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            pending.append((work, flat, members))
-        for work, flat, members in pending:
-            work.wait()
-            ops.unpack(flat, members, scale)  # while the later buckets are still being reduced
+            buckets.append((members, flat))
+        _reduce_buckets(buckets, group, scale, works)
     finally:
-        for work, flat, _ in pending:
-            if work.is_completed():  # a failed call leaves in-flight buffers to the collective
+        for k, (_, flat) in enumerate(buckets):
+            if k >= len(works) or works[k].is_completed():  # a failed call leaves in-flight buffers to the collective
                 _cache.give(flat)

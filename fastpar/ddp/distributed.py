@@ -35,6 +35,7 @@ class _Options:
     grad_dtype: torch.dtype | None
     alias_divides: bool  # the user asked for gradient_as_bucket_view=True: torch's in-place div_ arithmetic
     caps_given: bool  # bucket_cap_mb or bucket_cap_mb_list was passed
+    auto_buckets: bool = False  # bucket_cap_mb="auto": fastpar measures and chooses the layout
 
 
 class DistributedDataParallel(_TorchDDP):
@@ -43,8 +44,10 @@ class DistributedDataParallel(_TorchDDP):
     Differences: ``gradient_as_bucket_view`` defaults to ``None``, which keeps gradients in the flat bucket
     buffers (no copies) with the arithmetic of torch's default ``False``; pass ``False`` for separate
     ``.grad`` tensors, ``True`` for exactly torch's ``True``. fastpar's keyword-only ``grad_dtype``
-    (``torch.bfloat16``/``torch.float16``) reduces fp32 gradients in that precision. ``comm_stats()``
-    reports the last step's communication.
+    (``torch.bfloat16``/``torch.float16``) reduces fp32 gradients in that precision. ``bucket_cap_mb="auto"``
+    lets fastpar choose the bucket layout from measurements of the first steps (``fastpar.ddp.auto_buckets``;
+    at world size > 2 the results then differ from torch's in the last bits). ``comm_stats()`` reports the
+    last step's communication.
     """
 
     def __init__(
@@ -74,11 +77,15 @@ class DistributedDataParallel(_TorchDDP):
     ):
         _setup.refuse_unsupported(mixed_precision, skip_all_reduce_unused_params)
         _setup.check_grad_dtype(grad_dtype)
+        auto_buckets = _setup.is_auto_cap(bucket_cap_mb, bucket_cap_mb_list)
+        if auto_buckets:
+            bucket_cap_mb = None  # torch's constructor sees its default; fastpar starts from its own caps
         # read by _ddp_init_helper, which torch's constructor calls; plain attributes may precede Module.__init__
         self.__dict__["_fastpar"] = _Options(
             grad_dtype=grad_dtype if grad_dtype not in (None, torch.float32) else None,
             alias_divides=gradient_as_bucket_view is not None and bool(gradient_as_bucket_view),
             caps_given=bucket_cap_mb is not None or bool(bucket_cap_mb_list),
+            auto_buckets=auto_buckets,
         )
         if init_sync:  # before torch's own check, for a message that names the parameter
             _setup.verify_shapes_across_ranks(
@@ -126,6 +133,7 @@ class DistributedDataParallel(_TorchDDP):
             find_unused=self.find_unused_parameters,
             alias_divides=options.alias_divides,
             instance_id=next(_instances),
+            auto_buckets=options.auto_buckets,
         )
         self.logger = DDPLogger(self, self.reducer)
         self.reducer.set_logger(self.logger)

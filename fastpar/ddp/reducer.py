@@ -8,12 +8,15 @@ One synchronised backward: each parameter's post-accumulate-grad hook marks its 
 bucket is staged (``gradient_path.stage``) and its collective starts asynchronously -- strictly in bucket
 order, so every rank issues the same collectives in the same order. Unused parameters are marked ready
 up front: from the autograd graph (``find_unused_parameters``) or from the first iteration
-(``static_graph``). After the last launch the end of backward is queued; it runs named steps: wait for
-each bucket (a deadline that names missing ranks), finish it into ``.grad``, record statistics, learn.
+(``static_graph``). Buckets whose collectives are already back are finished from the hooks, in order,
+while later ones are still on the wire (``pipeline.FinishQueue``; only once nothing can change their
+gradients). After the last launch the end of backward is queued; it runs named steps: wait for each
+remaining bucket (a deadline that names missing ranks), finish it into ``.grad``, record statistics, learn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Sequence
@@ -22,15 +25,18 @@ import torch
 import torch.distributed as dist
 
 from . import gradient_path
+from .auto_buckets import AutoBuckets
 from .buckets import ParamSlot, assign_buckets, build_buckets, initial_layout
 from .comm_hooks import GradBucket
 from .errors import StuckBucketDiagnoser, UnusedParametersError, pg_timeout_seconds
+from .pipeline import FinishQueue
 from .waiting import BucketWaiter, WaitTimer
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _COPY_ON_ARRIVAL_MIN_NUMEL = 1 << 18  # CPU, 1 MiB of fp32: below, per-tensor dispatch costs more than it saves
+_NOT_TIMED = contextlib.nullcontext()
 
 
 class Reducer:
@@ -47,6 +53,7 @@ class Reducer:
         find_unused: bool,
         alias_divides: bool,
         instance_id: int,
+        auto_buckets: bool = False,
     ) -> None:
         self.group, self.world_size = group, group.size()
         self.device = params[0].device
@@ -65,9 +72,9 @@ class Reducer:
         with torch.enable_grad():  # the AccumulateGrad nodes, kept alive as torch's reducer keeps them
             for slot in self.slots:
                 slot.acc = slot.param.view_as(slot.param).grad_fn.next_functions[0][0]
-        on_grad = weakref.WeakMethod(self._on_grad)  # hooks must not keep a dropped wrapper alive
+        me = weakref.ref(self)  # hooks must not keep a dropped wrapper alive
         self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(_hook, on_grad, i)) for i, p in enumerate(params)
+            p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, me, i)) for i, p in enumerate(params)
         ]
         # torch Reducer counters and learned state
         self.num_iterations = 0
@@ -83,6 +90,7 @@ class Reducer:
         self._last_unused: frozenset[int] | None = None
         self.step = 0
         self.last_stats = {"step": 0, "bytes": 0, "collectives": 0, "wait_s": 0.0, "buckets": len(self.buckets)}
+        self.last_stats["finished_early"] = 0
         # per backward
         self.expect_hooks = False
         self._started = self._finalize_queued = self._end_check_queued = self._searched = False
@@ -92,6 +100,9 @@ class Reducer:
         self._globally_unused: frozenset[int] | None = None
         self._outputs_hook = None
         self._bytes = 0
+        self.finishing = FinishQueue()  # buckets finished so far this backward, in order
+        self.auto = AutoBuckets(self.device) if auto_buckets else None  # bucket_cap_mb="auto"
+        self._recorder = None  # a StepRecorder while "auto" measures this step
 
     def set_copy_on_arrival(self, min_numel: int | None) -> None:
         """Copy fresh gradients of at least ``min_numel`` elements into their bucket as they arrive (view mode;
@@ -103,6 +114,8 @@ class Reducer:
     def prepare_for_forward(self) -> None:
         self._check_health()
         self.num_iterations += 1
+        if self.auto is not None:
+            self._recorder = self.auto.forward_started()
 
     @torch._disable_dynamo  # called from DDP.forward: opaque to torch.compile, as torch's C++ reducer
     def prepare_for_backward(self, outputs: Sequence[torch.Tensor] = ()) -> None:
@@ -124,7 +137,15 @@ class Reducer:
     @torch._disable_dynamo  # called from DDP.forward: opaque to torch.compile, as torch's C++ reducer
     def _rebuild_buckets(self) -> bool:
         """Once, before the forward after the first reducing backward: re-bucket in the order gradients
-        arrived on rank 0 (broadcast, so every rank agrees). True when it rebuilt."""
+        arrived on rank 0 (broadcast, so every rank agrees). True when it rebuilt. With
+        ``bucket_cap_mb="auto"`` also where its decisions are taken (every rank at the same forward)."""
+        rebuilt = self._rebuild_in_arrival_order()
+        if self.auto is not None and self.auto.due:
+            self._check_health()
+            self.auto.decide(self)
+        return rebuilt
+
+    def _rebuild_in_arrival_order(self) -> bool:
         if not self._should_rebuild() or not self.rebuild_order:
             return False
         self._check_health()
@@ -133,14 +154,23 @@ class Reducer:
         order_t = torch.tensor(order, dtype=torch.int64, device=self.device)
         dist.broadcast(order_t, group=self.group, group_src=0)
         self.rebuild_order, self.has_rebuilt = [], True
-        assignment = assign_buckets([s.param for s in self.slots], order_t.tolist(), self.caps)
-        if assignment != [[s.index for s in b.slots] for b in self.buckets]:
-            self.buckets = build_buckets(self.slots, assignment, self.grad_views, self.grad_dtype)
+        self._apply_layout(assign_buckets([s.param for s in self.slots], order_t.tolist(), self.caps))
         return True
+
+    def layout(self) -> list[list[int]]:
+        """The buckets as lists of parameter indices, in launch order."""
+        return [[s.index for s in b.slots] for b in self.buckets]
+
+    def _apply_layout(self, assignment: list[list[int]]) -> None:
+        """Re-bucket (between steps; the same ``assignment`` on every rank). Gradients move into the new views."""
+        if assignment != self.layout():
+            self.buckets = build_buckets(self.slots, assignment, self.grad_views, self.grad_dtype)
 
     def _push_all_rebuilt_params(self) -> None:
         """A joined rank: rebuild as if every parameter had arrived, in index order (torch's semantics)."""
         self.rebuild_order = list(range(len(self.slots)))
+        if self.auto is not None:
+            self.auto.freeze(self, "join(): uneven inputs")
 
     def _set_static_graph(self) -> None:
         if self.num_iterations or self.num_backwards:
@@ -172,6 +202,8 @@ class Reducer:
     @torch._disable_dynamo  # called from DDP.forward: opaque to torch.compile, as torch's C++ reducer
     def _set_forward_pass_work_handle(self, work, divide_by_initial_world_size: bool) -> None:
         self._join = (work, divide_by_initial_world_size)
+        if self.auto is not None:  # joined ranks stop counting steps: keep the layout as it is
+            self.auto.freeze(self, "join(): uneven inputs")
 
     def _get_local_used_map(self) -> torch.Tensor:
         return torch.tensor([int(s.used) for s in self.slots], dtype=torch.int32).to(self.device)
@@ -235,8 +267,13 @@ class Reducer:
 
     # ---- the hook: one parameter's gradient has been accumulated --------------------------------
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        # hot path (once per parameter per backward): the mode checks short-circuit on plain attributes first
         slot = self.slots[index]
-        if (self._dynamic_find() or self._static_first()) and param.grad is not None:
+        if (
+            (self.find_unused or self.static_graph)
+            and (self._dynamic_find() or self._static_first())
+            and param.grad is not None
+        ):
             slot.used = True  # also during no_sync: used in any micro-batch counts (torch's local_used_map)
         if not self.expect_hooks:
             self._accumulate_locally(slot)
@@ -246,7 +283,7 @@ class Reducer:
         elif not self._end_check_queued and not self._finalize_queued and not self._static_first():
             self._queue_end_check()  # a nested (reentrant) backward ended earlier: watch the outer one
         slot.fires += 1
-        if self._static_first():
+        if self.static_graph and self._static_first():
             return  # the first iteration of a static graph only counts; _delay_all_reduce reduces
         if self.static_graph:
             if slot.fires > slot.expected_fires:
@@ -265,7 +302,10 @@ class Reducer:
             )
         elif slot.ready:  # marked unused from the graph, yet a gradient came: a reentrant checkpoint's parameter
             self._unmark_unused(slot)
+        launched = self._next
         self._mark_ready(slot, arrived=True)
+        if self._next != launched and self.finishing.finished < launched:
+            self._finish_early()  # each time a bucket goes out: finish the earlier ones already back
 
     def _accumulate_locally(self, slot: ParamSlot) -> None:
         """no_sync: keep accumulating in the bucket view (torch's view semantics leave a fresh gradient alone)."""
@@ -279,8 +319,10 @@ class Reducer:
         slot.ready = True
         bucket = slot.bucket
         if arrived:
-            if self._recording_order():
+            if not self.has_rebuilt and self._recording_order():
                 self.rebuild_order.append(slot.index)
+            if self._recorder is not None:
+                self._recorder.ready(slot.index)
             grad = slot.param.grad
             if (
                 self._arrival_min is not None
@@ -288,7 +330,8 @@ class Reducer:
                 and grad is not None
                 and grad is not slot.grad_view
             ):
-                gradient_path.stage(bucket, [slot], self._bucket_scale())
+                with self._timed("pack", (slot,)):
+                    gradient_path.stage(bucket, [slot], self._bucket_scale())
                 slot.staged = True
         bucket.pending -= 1
         if bucket.pending == 0 and bucket.index == self._next:
@@ -329,13 +372,14 @@ class Reducer:
         if not self.alias_divides and (self.find_unused or self.static_graph):
             keep_stale = frozenset(s.index for s in rest if s.param.grad is s.grad_view and self._locally_unused(s))
         hooked = self.comm_hook is not None
-        gradient_path.stage(
-            bucket,
-            rest,
-            self._bucket_scale(),
-            alias_divisor=self._divisor if self.alias_divides and not hooked else None,
-            keep_stale=keep_stale,
-        )
+        with self._timed("pack", rest):
+            gradient_path.stage(
+                bucket,
+                rest,
+                self._bucket_scale(),
+                alias_divisor=self._divisor if self.alias_divides and not hooked else None,
+                keep_stale=keep_stale,
+            )
         self._bytes += bucket.nbytes
         if hooked:
             hook, state = self.comm_hook
@@ -343,6 +387,45 @@ class Reducer:
         else:
             bucket.work = dist.all_reduce(bucket.comm_flat, group=self.group, async_op=True)
         bucket.launched = True
+
+    # ---- finishing buckets: early from the hooks (the pipelined path), the rest at the end --------
+    def _finish_early(self) -> None:
+        """Finish the launched buckets whose collectives are already back, in order; never waits."""
+        try:
+            self.finishing.poll(self.buckets, self._next, self._pollable, self._finish_next_step, self._unused_known)
+        except Exception as exc:  # the collective failed: end this backward cleanly, name the bucket
+            self._fail(exc, abort=True)
+
+    def _pollable(self, bucket):
+        """The handle whose completion means ``bucket``'s result is there. A comm hook's future on CUDA is done
+        once its work is queued, not run: finishing then would make the compute stream wait for the collective
+        mid-backward, so such buckets are finished at the end."""
+        if self.device.type == "cuda" and isinstance(bucket.work, torch._C.Future):
+            return None
+        return bucket.work
+
+    def _finish_next_step(self, bucket) -> None:
+        self._finish_bucket(bucket, self.step + 1)  # _finalize counts the step when backward ends
+
+    def _finish_bucket(self, bucket, step: int) -> None:
+        result = self.waiter.wait(step, bucket.index, bucket.names, bucket.work)
+        with self._timed("finish", bucket.slots):
+            gradient_path.finish(bucket, result, self._unused_in(bucket))
+
+    def _timed(self, kind: str, slots: Sequence[ParamSlot]):
+        """Times the reducer's own work on ``slots``' gradients while "auto" records this step."""
+        if self._recorder is None:
+            return _NOT_TIMED
+        return self._recorder.timed(kind, sum(s.numel * s.param.element_size() for s in slots))
+
+    def _unused_known(self, bucket) -> bool:
+        """Whether :meth:`_unused_in` can answer for ``bucket`` now, without the used-map all-reduce (which
+        is launched after the last bucket): finishing early is safe only then."""
+        if not (self.find_unused or self.static_graph) or self._globally_unused is not None:
+            return True
+        if self.static_graph and self._used_work is None:
+            return True  # learned in the first iteration
+        return all(not self._locally_unused(s) for s in bucket.slots)
 
     def _launch_used_map(self) -> None:
         used = self._get_local_used_map()
@@ -405,13 +488,14 @@ class Reducer:
         """End of a reducing backward: wait for and finish every bucket, then record and learn."""
         try:
             self.step += 1
+            if self._recorder is not None:
+                self._recorder.backward_end()
             self.timer.start()
-            for bucket in self.buckets:
-                result = self.waiter.wait(self.step, bucket.index, bucket.names, bucket.work)
-                unused = self._unused_in(bucket)
-                gradient_path.finish(bucket, result, unused)
+            self.finishing.drain(self.buckets, functools.partial(self._finish_bucket, step=self.step))
             self.timer.stop()
             self._record_stats()
+            if self.auto is not None:
+                self.auto.step_done(self)
             if self.static_graph and self.rebuild_order and not self.has_rebuilt:  # torch appends the unused
                 self.rebuild_order += sorted(s.index for s in self.slots if s.expected_fires == 0)
         except BaseException:
@@ -449,11 +533,14 @@ class Reducer:
             "collectives": len(self.buckets) + (self._used_work is not None),
             "wait_s": None,  # read lazily from the timer (a CUDA sync on GPU)
             "buckets": len(self.buckets),
+            "finished_early": self.finishing.early,  # finished from the hooks, before backward ended
         }
 
     def stats(self) -> dict:
         stats = dict(self.last_stats)
         stats["wait_s"] = self.timer.seconds() if self.step else 0.0
+        if self.auto is not None:
+            stats["auto"] = self.auto.summary()
         return stats
 
     def _end_backward(self) -> None:
@@ -476,6 +563,7 @@ class Reducer:
         self._scale, self._divisor = 1.0 / self.world_size, self.world_size
         self._used_work = self._globally_unused = None
         self._bytes = 0
+        self.finishing.reset()
         self._remove_outputs_hook()
 
     def _abort_backward(self) -> None:
@@ -527,6 +615,12 @@ class Reducer:
             self._remove_autograd_hooks()
         if hasattr(self, "waiter"):
             self.waiter.close()
+
+
+def _grad_hook(reducer: weakref.ref, index: int, param: torch.Tensor) -> None:
+    bound = reducer()
+    if bound is not None:
+        bound._on_grad(index, param)
 
 
 def _hook(method: weakref.WeakMethod, index, *args) -> None:
