@@ -1,11 +1,20 @@
-"""Gradient synchronisation: a drop-in ``DistributedDataParallel`` and coalesced collectives."""
+"""Gradient synchronisation: a drop-in ``DistributedDataParallel``, ZeRO-1 (``ShardedOptimizer``) and coalesced
+collectives."""
 
 from __future__ import annotations
 
 from .coalesced import all_reduce_coalesced
 from .distributed import DistributedDataParallel
 from .errors import BucketTimeoutError, UnusedParametersError
+from .sharded_optimizer import ShardedOptimizer
 
 DDP = DistributedDataParallel
 
-__all__ = ["DDP", "BucketTimeoutError", "DistributedDataParallel", "UnusedParametersError", "all_reduce_coalesced"]
+__all__ = [
+    "DDP",
+    "BucketTimeoutError",
+    "DistributedDataParallel",
+    "ShardedOptimizer",
+    "UnusedParametersError",
+    "all_reduce_coalesced",
+]

@@ -10,6 +10,11 @@ order, so every rank issues the same collectives in the same order. Unused param
 up front: from the autograd graph (``find_unused_parameters``) or from the first iteration
 (``static_graph``). After the last launch the end of backward is queued; it runs named steps: wait for
 each bucket (a deadline that names missing ranks), finish it into ``.grad``, record statistics, learn.
+
+``bucket_collective`` (None for DDP) replaces each bucket's all-reduce: ZeRO's reduce-scatter
+(:mod:`fastpar.ddp.zero_collectives`). It offers ``start(bucket) -> work``, ``finish(bucket, result,
+globally_unused)`` (``gradient_path.finish``'s signature) and ``follow_layout(assignment)``: at the rebuild
+it keeps its own buckets and learns the layout torch's DDP would now use.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Reducer:
         self.alias_divides = alias_divides  # torch's arithmetic for gradient_as_bucket_view=True: div_ in place
         self.static_graph = False
         self.comm_hook: tuple | None = None  # (hook, state)
+        self.bucket_collective = None  # ZeRO's reduce-scatter instead of the all-reduce (see the module docstring)
         self.buckets = build_buckets(self.slots, initial_layout(params, initial_caps), grad_views, grad_dtype)
         diagnoser = StuckBucketDiagnoser(group, instance_id)
         self.waiter = BucketWaiter(self.device, pg_timeout_seconds(group, self.device), diagnoser.diagnose)
@@ -134,7 +140,9 @@ class Reducer:
         dist.broadcast(order_t, group=self.group, group_src=0)
         self.rebuild_order, self.has_rebuilt = [], True
         assignment = assign_buckets([s.param for s in self.slots], order_t.tolist(), self.caps)
-        if assignment != [[s.index for s in b.slots] for b in self.buckets]:
+        if self.bucket_collective is not None:
+            self.bucket_collective.follow_layout(assignment)
+        elif assignment != [[s.index for s in b.slots] for b in self.buckets]:
             self.buckets = build_buckets(self.slots, assignment, self.grad_views, self.grad_dtype)
         return True
 
@@ -177,6 +185,11 @@ class Reducer:
         return torch.tensor([int(s.used) for s in self.slots], dtype=torch.int32).to(self.device)
 
     def _get_zeros_like_grad_buckets(self) -> list[GradBucket]:
+        if self.bucket_collective is not None:
+            raise NotImplementedError(
+                "fastpar DDP: model.join() (uneven inputs) cannot shadow ZeRO's reduce-scatter; give every rank the "
+                "same number of batches (fastpar.data loaders do), or use a plain optimizer with join()"
+            )
         last = len(self.buckets) - 1
         return [GradBucket(b, torch.zeros_like(b.comm_flat), b.index == last) for b in self.buckets]
 
@@ -192,6 +205,11 @@ class Reducer:
     def register_comm_hook(self, state, hook) -> None:
         if self.comm_hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if self.bucket_collective is not None:
+            raise RuntimeError(
+                "fastpar DDP: a comm hook replaces the all-reduce, but this model's optimizer is sharded (ZeRO), which "
+                "reduce-scatters gradients; for bf16 gradient sync pass grad_dtype=torch.bfloat16 to the DDP instead"
+            )
         self.comm_hook = (hook, state)
 
     def _check_reducer_finalized(self) -> None:
@@ -340,6 +358,8 @@ class Reducer:
         if hooked:
             hook, state = self.comm_hook
             bucket.work = hook(state, GradBucket(bucket, bucket.comm_flat, bucket.index == len(self.buckets) - 1))
+        elif self.bucket_collective is not None:
+            bucket.work = self.bucket_collective.start(bucket)
         else:
             bucket.work = dist.all_reduce(bucket.comm_flat, group=self.group, async_op=True)
         bucket.launched = True
@@ -406,10 +426,11 @@ class Reducer:
         try:
             self.step += 1
             self.timer.start()
+            finish = gradient_path.finish if self.bucket_collective is None else self.bucket_collective.finish
             for bucket in self.buckets:
                 result = self.waiter.wait(self.step, bucket.index, bucket.names, bucket.work)
                 unused = self._unused_in(bucket)
-                gradient_path.finish(bucket, result, unused)
+                finish(bucket, result, unused)
             self.timer.stop()
             self._record_stats()
             if self.static_graph and self.rebuild_order and not self.has_rebuilt:  # torch appends the unused
