@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .buckets import ParamSlot
-from .zero_collectives import WorkSet
+from .p2p_posting import WorkSet
 from .zero_layout import ShardedBucket
 
 __all__ = ["ShardNorms"]
