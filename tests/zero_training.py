@@ -11,7 +11,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_ddp_models import MODELS, make_input  # noqa: E402
+from test_ddp_models import MLP, MODELS, make_input  # noqa: E402
+
+
+class NeverUsed(MLP):
+    """The MLP plus a layer no forward uses (found by ``find_unused_parameters=True`` every step)."""
+
+    def __init__(self):
+        super().__init__()
+        self.never = torch.nn.Linear(16, 8)
+
+
+MODELS = {**MODELS, "never_used": NeverUsed}
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.01}),
