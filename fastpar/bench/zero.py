@@ -27,7 +27,8 @@ from torch import nn
 from . import launch
 from .ddp_step import MODELS as DDP_MODELS
 from .ddp_step import build_model as build_ddp_model
-from .harness import BenchUsageError, Plan, WrongResultError, count_mismatches
+from .ddp_step import check_models_and_batch, check_one_step, step_columns, step_header
+from .harness import BenchUsageError, Plan
 from .table import BenchReport, Column, PlotSpec, goal_line
 
 DESCRIPTION = "ZeRO-1: optimizer state per rank and step time, fastpar sharded vs torch ZeroRedundancyOptimizer vs DDP"
@@ -106,6 +107,10 @@ class Trainee:
         return max(zb.bucket.numel for zb in self.sharded._sharded) if self.sharded is not None else 0
 
 
+def _tolerance(variant: str) -> dict:
+    return {"rtol": 1e-4, "atol": 1e-6} if variant == "no_comm" else {}  # everything else: bit for bit
+
+
 def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
 
@@ -124,16 +129,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
         width = MODELS[model_name][0]
         trainees = {v: Trainee(v, model_name, device) for v in VARIANTS}
         check_batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(1)).to(device)
-        for trainee in trainees.values():
-            trainee.step(check_batch)  # same batch on every rank: every variant must match torch DDP
-        reference = trainees["ddp"].flat_params()
-        wrong = {}
-        for variant, trainee in trainees.items():
-            tol = {"rtol": 1e-4, "atol": 1e-6} if variant == "no_comm" else {}
-            wrong[variant] = launch.agree_count(count_mismatches(trainee.flat_params(), reference, **tol), device)
-        if any(wrong.values()):
-            listing = ", ".join(f"{v}: {n} parameters differ" for v, n in wrong.items() if n)
-            raise WrongResultError(f"{model_name}: after one AdamW step on the same batch, vs torch DDP: {listing}")
+        check_one_step(trainees, check_batch, _tolerance, model_name)
         memory[model_name] = {v: _per_rank(t.state_bytes(), device) for v, t in trainees.items()}
         memory[model_name]["_bucket"] = trainees["zero_fastpar"].largest_bucket_numel()
         memory[model_name]["_numel"] = sum(p.numel() for p in trainees["ddp"].model.parameters())
@@ -178,24 +174,17 @@ def _report(args, world_size: int, seconds: dict, memory: dict) -> BenchReport:
         benchmark="zero",
         title=f"ZeRO-1 optimizer state and step time, {world_size} ranks",
         columns=[
-            Column("model", "model", 7),
-            Column("variant", "variant", 13),
-            Column("step_ms", "step(ms)", 10, ".2f", "ms"),
-            Column("x_floor", "x no_comm", 10, ".2f", "x"),
-            Column("x_ddp", "x ddp", 7, ".2f", "x"),
+            *step_columns(13),
             Column("x_ddp_fastpar", "x ddp_fastpar", 14, ".2f", "x"),
             Column("state_mib", "state MiB/rank", 15, ".2f", "MiB"),
             Column("per_rank", "state MiB per rank", 20),
         ],
         rows=rows,
-        header={
-            "backend": args.backend,
-            "world size": str(world_size),
-            "threads per rank": str(args.threads),
-            "batch": str(args.batch),
-            "optimizer": f"AdamW(lr={LR}, weight_decay={WEIGHT_DECAY}); state = its tensors (exp_avg, exp_avg_sq, step)",
-            "timing": f"median of {args.rounds} interleaved rounds x {args.iters} steps after {args.warmup} warm-up",
-        },
+        header=step_header(
+            args,
+            world_size,
+            optimizer=f"AdamW(lr={LR}, weight_decay={WEIGHT_DECAY}); state = its tensors (exp_avg, exp_avg_sq, step)",
+        ),  # fmt: skip
         footer=footer,
         summary={
             "step_ms": {m: {v: t * 1e3 for v, t in s.items()} for m, s in seconds.items()},
@@ -215,12 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> BenchReport | None:
-    args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = sorted(set(args.model_list) - set(MODELS)) or (["(none)"] if not args.model_list else [])
-    if unknown:
-        raise BenchUsageError(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
-    if args.batch < 1:
-        raise BenchUsageError(f"--batch must be at least 1, got {args.batch}")
+    check_models_and_batch(args, MODELS)
     if args.nproc == 1:
         raise BenchUsageError("zero shards across ranks: --nproc must be at least 2")
     return launch.run_distributed(_rank_main, args)
