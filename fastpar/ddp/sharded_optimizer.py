@@ -48,7 +48,8 @@ from .zero_state import gather_full_state, shard_state
 
 __all__ = ["ShardedOptimizer"]
 
-_instances = itertools.count()  # the same sequence on every rank: names this optimizer's store keys
+_instances = itertools.count()  # the same sequence on every rank: names this optimizer's store keys and p2p tags
+_TAGS_PER_INSTANCE = 1 << 20  # point-to-point tags: [0, 2^19) bucket exchanges, [2^19, 2^20) norm pieces
 _PLACEHOLDER = "fastpar_zero_placeholder"
 
 
@@ -150,13 +151,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reducer.waiter.close()
         reducer.waiter = BucketWaiter(reducer.device, timeout, StuckBucketDiagnoser(
             self._group, f"zero{instance}/rs", "reduce-scatter of gradient bucket").diagnose)  # fmt: skip
-        self._collective = ZeroCollective(reducer, self._sharded, exchange)
+        tags = (1 << 30) + (instance % 1000) * _TAGS_PER_INSTANCE
+        self._collective = ZeroCollective(reducer, self._sharded, exchange, tags)
         self._collective.gather_waiter = BucketWaiter(reducer.device, timeout, StuckBucketDiagnoser(
             self._group, f"zero{instance}/ag", "all-gather of the updated parameters of bucket").diagnose)  # fmt: skip
         reducer.bucket_collective = self._collective
         bucket_of = {id(slot.param): zb.index for zb in self._sharded for slot in zb.slots}
         self._gate = ParameterGate(self.model.module, bucket_of, self._wait_buckets)
-        self._norms = ShardNorms(self._sharded, self._group, len(reducer.slots))
+        self._norms = ShardNorms(self._sharded, self._group, len(reducer.slots), tags + _TAGS_PER_INSTANCE // 2)
 
     # ---- the training step ------------------------------------------------------------------------
     @torch.no_grad()

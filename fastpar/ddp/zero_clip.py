@@ -26,8 +26,6 @@ from .zero_layout import ShardedBucket
 
 __all__ = ["ShardNorms"]
 
-_TAG = 0x5B000  # point-to-point tags of the norm pieces (apart from ZeRO's reduce-scatter/all-gather tags)
-
 
 def _shaped(slot: ParamSlot, flat: torch.Tensor) -> torch.Tensor:
     """``flat`` (the parameter's elements in storage order) shaped and strided like the parameter."""
@@ -40,8 +38,9 @@ def _shaped(slot: ParamSlot, flat: torch.Tensor) -> torch.Tensor:
 class ShardNorms:
     """Per-parameter gradient norms of the reduced gradients, which exist only as shards."""
 
-    def __init__(self, sharded: list[ShardedBucket], group: dist.ProcessGroup, num_params: int) -> None:
-        self.sharded, self.group, self.num_params = sharded, group, num_params
+    def __init__(self, sharded: list[ShardedBucket], group: dist.ProcessGroup, num_params: int, tag_base: int) -> None:
+        """``tag_base``: the pieces of parameter i travel with tag ``tag_base + i``."""
+        self.sharded, self.group, self.num_params, self.tag_base = sharded, group, num_params, tag_base
         self.rank = group.rank()
         self.local: list[tuple[ShardedBucket, ParamSlot]] = []  # whole in this rank's shard
         self.assembled: list[tuple[ShardedBucket, ParamSlot, list[tuple[int, int, int]]]] = []  # (rank, a, b)
@@ -69,7 +68,7 @@ class ShardNorms:
         works, gathered = [], []
         for zb, slot, a, b, owner in self.sends:
             works.append(dist.isend(zb.bucket.grad_flat.narrow(0, a, b - a), group=self.group, group_dst=owner,
-                                    tag=_TAG + slot.index))  # fmt: skip
+                                    tag=self.tag_base + slot.index))  # fmt: skip
         for zb, slot, pieces in self.assembled:
             whole = torch.empty(slot.numel, dtype=zb.bucket.dtype, device=device)
             for q, a, b in pieces:
@@ -77,7 +76,7 @@ class ShardNorms:
                 if q == self.rank:
                     part.copy_(zb.bucket.grad_flat.narrow(0, a, b - a))
                 else:
-                    works.append(dist.irecv(part, group=self.group, group_src=q, tag=_TAG + slot.index))
+                    works.append(dist.irecv(part, group=self.group, group_src=q, tag=self.tag_base + slot.index))
             gathered.append((slot, whole))
         WorkSet(works).wait()
         mine = [(slot, slot.layout_view(zb.bucket.grad_flat)) for zb, slot in self.local]

@@ -32,7 +32,6 @@ __all__ = ["EXCHANGES", "ZeroCollective", "resolve_exchange"]
 EXCHANGES = ("auto", "collective", "p2p")
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_TAG_BASE = 0x5A000  # point-to-point tags of ZeRO: apart from user sends (tag 0)
 
 
 def resolve_exchange(exchange: str, group: dist.ProcessGroup) -> str:
@@ -46,13 +45,16 @@ def resolve_exchange(exchange: str, group: dist.ProcessGroup) -> str:
 class ZeroCollective:
     """The reducer's ``bucket_collective`` in ZeRO mode, and the all-gather after each step."""
 
-    def __init__(self, reducer, sharded: list[ShardedBucket], exchange: str) -> None:
+    def __init__(self, reducer, sharded: list[ShardedBucket], exchange: str, tag_base: int) -> None:
+        """``tag_base``: this optimizer's point-to-point tags are ``tag_base + 2 * bucket index (+ 1: gather)``,
+        apart from other optimizers' and user sends (tag 0)."""
         self.reducer = reducer
         self.group = reducer.group
         self.rank, self.world_size = self.group.rank(), self.group.size()
         self.sharded = sharded
         self.exchange = resolve_exchange(exchange, self.group)
         self.peers = [q for q in range(self.world_size) if q != self.rank]
+        self.tag_base = tag_base
         self.gather_waiter = None  # a BucketWaiter naming the all-gather; set by the optimizer
         self._poster = PostingThread() if reducer.device.type == "cpu" else None
         if self._poster is not None:
@@ -67,7 +69,7 @@ class ZeroCollective:
             return _reduce_scatter(zb.region(comm, self.rank), comm, group=self.group, async_op=True)
         if zb.scratch is None:
             zb.scratch = torch.empty((self.world_size - 1) * zb.shard_numel, dtype=comm.dtype, device=comm.device)
-        tag = _TAG_BASE + 2 * bucket.index
+        tag = self.tag_base + 2 * bucket.index
         return self._post([(self._received(zb, q), zb.region(comm, q), q) for q in self.peers], tag)
 
     @torch.no_grad()
@@ -99,7 +101,7 @@ class ZeroCollective:
             zb.gather = _all_gather(flat, zb.region(flat, self.rank), group=self.group, async_op=True)
             return
         mine = zb.region(flat, self.rank)
-        zb.gather = self._post([(zb.region(flat, q), mine, q) for q in self.peers], _TAG_BASE + 2 * zb.index + 1)
+        zb.gather = self._post([(zb.region(flat, q), mine, q) for q in self.peers], self.tag_base + 2 * zb.index + 1)
 
     def wait_gather(self, zb: ShardedBucket) -> None:
         work, zb.gather = zb.gather, None
