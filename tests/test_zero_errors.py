@@ -137,3 +137,39 @@ def test_state_that_one_shard_cannot_hold_is_refused(group):
         opt.load_state_dict(plain.state_dict())
     with pytest.raises(ValueError, match="different number of parameter groups"):
         opt.load_state_dict({"state": {}, "param_groups": []})
+
+
+def _stuck_rank(rank: int, world_size: int, where: str) -> str:
+    import time
+
+    model = fastpar.DDP(mlp())
+    opt = fastpar.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()  # one whole step first: DDP's bucket rebuild is behind us
+    opt.step()
+    loss = model(torch.ones(2, 4)).sum()
+    if rank == 1 and where == "backward":
+        time.sleep(30)  # never reaches the reduce-scatter; the parent ends this rank
+    loss.backward()
+    if rank == 1 and where == "step":
+        time.sleep(30)  # never sends its updated shard
+    opt.step()
+    model(torch.ones(2, 4))  # waits for the all-gather
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "where, collective",
+    [("backward", "reduce-scatter of gradient bucket 0"), ("step", "all-gather of the updated parameters of bucket")],
+)
+def test_a_rank_that_never_arrives_is_named_without_hanging(where, collective):
+    import time
+
+    from fastpar.launcher import RankError, spawn
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn(_stuck_rank, 2, where, timeout=90, pg_timeout=5)
+    message = str(info.value)
+    assert time.monotonic() - start < 60
+    assert "rank 0 of 2 failed" in message and "BucketTimeoutError" in message
+    assert collective in message and "rank(s) [1] never reached it" in message
