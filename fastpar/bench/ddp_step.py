@@ -233,13 +233,13 @@ def _report(args, world_size: int, results: dict[str, dict[str, float]]) -> Benc
                 f"goal {model_name}: fastpar_fp32 never slower than the best torch variant: {ratio:.2f}x -> "
                 f"{'MET' if ratio <= 1.0 else 'NOT MET'}"
             )
+    caps = ", ".join(f"{m} bucket_cap_mb={c:g}" for m, c in args.fastpar_caps.items())
     return BenchReport(
         benchmark="ddp",
         title=f"training step time, {world_size} ranks",
         columns=step_columns(17),
         rows=rows,
-        header=step_header(args, world_size, ddp_fastpar_cap=", ".join(
-            f"{m} bucket_cap_mb={c:g}" for m, c in args.fastpar_caps.items())),  # fmt: skip
+        header=step_header(args, world_size, ddp_fastpar_cap=caps),
         footer=footer,
         notes=list(args.skip_notes),
         summary={"step_ms": {m: {v: t * 1e3 for v, t in s.items()} for m, s in results.items()}, "goals_met": goals},
