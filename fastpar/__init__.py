@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DDP",
     "DistributedDataParallel",
+    "ShardedOptimizer",
     "Trainer",
     "TrainingOptions",
     "__version__",
@@ -30,6 +31,7 @@ __all__ = [
 _LAZY = {
     "DistributedDataParallel": ("fastpar.ddp", "DistributedDataParallel"),
     "DDP": ("fastpar.ddp", "DistributedDataParallel"),
+    "ShardedOptimizer": ("fastpar.ddp", "ShardedOptimizer"),
     "Trainer": ("fastpar.train", "Trainer"),
     "TrainingOptions": ("fastpar.train", "TrainingOptions"),
     "ops": ("fastpar.ops", None),

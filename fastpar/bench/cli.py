@@ -44,6 +44,7 @@ BENCHMARKS = {
     "fusion": "fastpar.bench.fusion",
     "pack": "fastpar.bench.pack",
     "ddp": "fastpar.bench.ddp_step",
+    "zero": "fastpar.bench.zero",
     "data": "fastpar.bench.data",
     "sweep": "fastpar.bench.sweep",
     "calibrate": "fastpar.bench.calibrate",

@@ -173,6 +173,62 @@ def step_call(rank: int, world_size: int, variant: str, model_name: str, batch: 
     return lambda: trainee.step(x)
 
 
+def step_columns(variant_width: int) -> list[Column]:
+    """The first columns of a training-step table (``ddp``, ``zero``)."""
+    return [
+        Column("model", "model", 7),
+        Column("variant", "variant", variant_width),
+        Column("step_ms", "step(ms)", 10, ".2f", "ms"),
+        Column("x_floor", "x no_comm", 10, ".2f", "x"),
+        Column("x_ddp", "x ddp", 8, ".2f", "x"),
+    ]
+
+
+def step_header(args: argparse.Namespace, world_size: int, **extra: str) -> dict[str, str]:
+    """The header lines of a training-step benchmark, ``extra`` before the timing line."""
+    return {
+        "backend": args.backend,
+        "world size": str(world_size),
+        "threads per rank": str(args.threads),
+        "batch": str(args.batch),
+        **extra,
+        "timing": f"median of {args.rounds} interleaved rounds x {args.iters} steps after {args.warmup} warm-up",
+    }
+
+
+def check_models_and_batch(args: argparse.Namespace, models) -> None:
+    """``args.model_list`` from ``--models`` (names in ``models``); refuse unknown names and ``--batch`` < 1."""
+    args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = sorted(set(args.model_list) - set(models)) or (["(none)"] if not args.model_list else [])
+    if unknown:
+        raise BenchUsageError(f"unknown model(s) {unknown}; choose from {', '.join(models)}")
+    if args.batch < 1:
+        raise BenchUsageError(f"--batch must be at least 1, got {args.batch}")
+
+
+def check_one_step(trainees: dict, batch: torch.Tensor, tolerance: Callable[[str], dict], model_name: str) -> None:
+    """Every variant takes one step on the same batch on every rank; its parameters must then equal stock DDP's
+    (``tolerance(variant)``: ``count_mismatches`` tolerances). Raises WrongResultError on every rank alike."""
+    for trainee in trainees.values():
+        trainee.step(batch)
+    reference = trainees["ddp"].flat_params()
+    wrong = {
+        v: launch.agree_count(count_mismatches(t.flat_params(), reference, **tolerance(v)), batch.device)
+        for v, t in trainees.items()
+    }
+    if any(wrong.values()):
+        listing = ", ".join(f"{v}: {n} parameters differ" for v, n in wrong.items() if n)
+        raise WrongResultError(f"{model_name}: after one step on the same batch, vs stock DDP: {listing}")
+
+
+def _tolerance(variant: str, world_size: int) -> dict:
+    if variant not in LOW_PRECISION and variant != "no_comm":
+        if world_size > 2 and variant in FIXED_CAPS:  # another layout, another summation order
+            return {"rtol": 1e-5, "atol": 1e-7}
+        return {}
+    return {"rtol": 1e-3, "atol": 1e-5 if variant == "no_comm" else 1e-4}
+
+
 def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchReport | None:
     device = launch.rank_device(args.backend)
     plan = Plan(args.warmup, args.rounds, args.iters)
@@ -185,19 +241,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
         args.fastpar_caps[model_name] = fastpar_cap_mb(build_model(model_name))
         trainees = {v: Trainee(v, model_name, device, args.lr, peer_group) for v in variants}
         check_batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(1)).to(device)
-        for trainee in trainees.values():
-            trainee.step(check_batch)  # same batch on every rank: every variant must match stock DDP
-        reference = trainees["ddp"].flat_params()
-        wrong = {}
-        for variant, trainee in trainees.items():
-            exact = variant not in LOW_PRECISION and variant != "no_comm"
-            tol = {} if exact else {"rtol": 1e-3, "atol": 1e-5 if variant == "no_comm" else 1e-4}
-            if exact and world_size > 2 and variant in FIXED_CAPS:  # another layout, another summation order
-                tol = {"rtol": 1e-5, "atol": 1e-7}
-            wrong[variant] = launch.agree_count(count_mismatches(trainee.flat_params(), reference, **tol), device)
-        if any(wrong.values()):
-            listing = ", ".join(f"{v}: {n} parameters differ" for v, n in wrong.items() if n)
-            raise WrongResultError(f"{model_name}: after one step on the same batch, vs stock DDP: {listing}")
+        check_one_step(trainees, check_batch, lambda v: _tolerance(v, world_size), model_name)
         batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(100 + rank)).to(device)
         for variant, trainee in trainees.items():
             if trainee.settle(batch):
@@ -250,25 +294,13 @@ def _report(args, world_size: int, results: dict[str, dict[str, float]]) -> Benc
         lines, met = _goal_lines(model_name, seconds)
         footer += lines
         goals |= met
+    caps = ", ".join(f"{m} bucket_cap_mb={c:g}" for m, c in args.fastpar_caps.items())
     return BenchReport(
         benchmark="ddp",
         title=f"training step time, {world_size} ranks",
-        columns=[
-            Column("model", "model", 7),
-            Column("variant", "variant", 17),
-            Column("step_ms", "step(ms)", 10, ".2f", "ms"),
-            Column("x_floor", "x no_comm", 10, ".2f", "x"),
-            Column("x_ddp", "x ddp", 8, ".2f", "x"),
-        ],
+        columns=step_columns(17),
         rows=rows,
-        header={
-            "backend": args.backend,
-            "world size": str(world_size),
-            "threads per rank": str(args.threads),
-            "batch": str(args.batch),
-            "ddp_fastpar_cap": ", ".join(f"{m} bucket_cap_mb={c:g}" for m, c in args.fastpar_caps.items()),
-            "timing": f"median of {args.rounds} interleaved rounds x {args.iters} steps after {args.warmup} warm-up",
-        },
+        header=step_header(args, world_size, ddp_fastpar_cap=caps),
         footer=footer + [f"auto: {note}" for note in args.auto_notes],
         notes=list(args.skip_notes),
         summary={"step_ms": {m: {v: t * 1e3 for v, t in s.items()} for m, s in results.items()}, "goals_met": goals},
@@ -285,15 +317,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> BenchReport | None:
-    args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = sorted(set(args.model_list) - set(MODELS)) or (["(none)"] if not args.model_list else [])
-    if unknown:
-        raise BenchUsageError(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    check_models_and_batch(args, MODELS)
     wanted = {v.strip() for v in args.variants.split(",") if v.strip()} | {"no_comm", "ddp"}
     if wanted - set(VARIANTS):
         raise BenchUsageError(f"unknown variant(s) {sorted(wanted - set(VARIANTS))}; choose from {', '.join(VARIANTS)}")
-    if args.batch < 1:
-        raise BenchUsageError(f"--batch must be at least 1, got {args.batch}")
     possible, args.skip_notes = available_variants()
     args.variant_list = [v for v in possible if v in wanted]
     return launch.run_distributed(_rank_main, args)

@@ -1,10 +1,12 @@
-"""Gradient synchronisation: a drop-in ``DistributedDataParallel`` and coalesced collectives."""
+"""Gradient synchronisation: a drop-in ``DistributedDataParallel``, ZeRO-1 (``ShardedOptimizer``) and coalesced
+collectives."""
 
 from __future__ import annotations
 
 from .coalesced import CoalescedAllReduce, all_reduce_coalesced
 from .distributed import DistributedDataParallel
 from .errors import BucketTimeoutError, UnusedParametersError
+from .sharded_optimizer import ShardedOptimizer
 
 DDP = DistributedDataParallel
 
@@ -13,6 +15,7 @@ __all__ = [
     "BucketTimeoutError",
     "CoalescedAllReduce",
     "DistributedDataParallel",
+    "ShardedOptimizer",
     "UnusedParametersError",
     "all_reduce_coalesced",
 ]

@@ -189,12 +189,15 @@ class Bucket:
 
     ``grad_flat`` (parameter dtype) backs the ``.grad`` views in view mode; ``comm_flat`` is what the
     collective reduces: ``grad_flat`` itself, or a separate buffer when reducing in a lower precision
-    (``grad_dtype``) or without views.
+    (``grad_dtype``) or without views. ``pad_to``: the buffers hold a multiple of this many elements
+    (zeros after the last parameter), so ZeRO can cut them into equal shards; DDP leaves it at 1.
     """
 
     __slots__ = ("index", "slots", "dtype", "numel", "grad_flat", "comm_flat", "pending", "work", "launched")
 
-    def __init__(self, index: int, slots: list[ParamSlot], grad_views: bool, comm_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self, index: int, slots: list[ParamSlot], grad_views: bool, comm_dtype: torch.dtype | None, pad_to: int = 1
+    ) -> None:
         self.index = index
         self.slots = slots
         first = slots[0].param
@@ -204,7 +207,7 @@ class Bucket:
         for pos, slot in enumerate(slots):
             slot.bucket, slot.pos, slot.offset = self, pos, offset
             offset += slot.numel
-        self.numel = offset
+        self.numel = -(-offset // pad_to) * pad_to
         comm_dtype = comm_dtype or self.dtype
         self.grad_flat = torch.zeros(self.numel, dtype=self.dtype, device=device) if grad_views else None
         if grad_views and comm_dtype == self.dtype:
@@ -237,15 +240,20 @@ class Bucket:
 
 
 def build_buckets(
-    slots: Sequence[ParamSlot], assignment: list[list[int]], grad_views: bool, grad_dtype: torch.dtype | None
+    slots: Sequence[ParamSlot],
+    assignment: list[list[int]],
+    grad_views: bool,
+    grad_dtype: torch.dtype | None,
+    pad_to: int = 1,
 ) -> list[Bucket]:
     """Allocate buckets for ``assignment`` (lists of slot indices). In view mode each current ``.grad`` is
-    moved into its new view (at construction and at the rebuild), so nothing a user holds is lost."""
+    moved into its new view (at construction and at the rebuild), so nothing a user holds is lost.
+    ``pad_to``: see :class:`Bucket`."""
     buckets = []
     for index, members in enumerate(assignment):
         members_slots = [slots[i] for i in members]
         narrow = grad_dtype if members_slots[0].param.dtype == torch.float32 else None  # only fp32 is narrowed
-        bucket = Bucket(index, members_slots, grad_views, narrow)
+        bucket = Bucket(index, members_slots, grad_views, narrow, pad_to)
         if grad_views:
             with torch.no_grad():
                 for slot in members_slots:

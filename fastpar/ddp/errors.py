@@ -50,8 +50,11 @@ def pg_timeout_seconds(group: dist.ProcessGroup, device: torch.device) -> float:
 class StuckBucketDiagnoser:
     """Finds which ranks are missing from a bucket's collective, through the process group's store."""
 
-    def __init__(self, group: dist.ProcessGroup, instance_id: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, instance_id: int | str, collective: str = "all-reduce of gradient bucket"
+    ) -> None:
         self.group = group
+        self.collective = collective  # what the message says was waited for, e.g. "reduce-scatter of gradient bucket"
         self.rank = group.rank()
         self.world_size = group.size()
         self.prefix = f"fastpar_ddp/{instance_id}"
@@ -90,7 +93,7 @@ class StuckBucketDiagnoser:
         else:
             who = f"every rank reached it, so the transport itself failed{store_problem}"
         return BucketTimeoutError(
-            f"fastpar DDP: rank {self.rank} waited for the all-reduce of gradient bucket {bucket_index} "
+            f"fastpar DDP: rank {self.rank} waited for the {self.collective} {bucket_index} "
             f"(step {step}; parameters {shown}) and it did not complete: {who}. A rank that skips backward(), "
             "runs a different number of steps, or runs forward under no_sync() while others do not, leaves its "
             "peers waiting; use model.join() for uneven inputs. Underlying error: "

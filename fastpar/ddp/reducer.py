@@ -12,6 +12,12 @@ up front: from the autograd graph (``find_unused_parameters``) or from the first
 while later ones are still on the wire (``pipeline.FinishQueue``; only once nothing can change their
 gradients). After the last launch the end of backward is queued; it runs named steps: wait for each
 remaining bucket (a deadline that names missing ranks), finish it into ``.grad``, record statistics, learn.
+
+``bucket_collective`` (None for DDP) replaces each bucket's all-reduce: ZeRO's reduce-scatter
+(:mod:`fastpar.ddp.zero_collectives`). It offers ``start(bucket) -> work``, ``finish(bucket, result,
+globally_unused)`` (``gradient_path.finish``'s signature) and ``follow_layout(assignment)``: at the rebuild
+it keeps its own buckets and learns the layout torch's DDP would now use. Its buckets are finished at the
+end of backward, not early.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class Reducer:
         self.alias_divides = alias_divides  # torch's arithmetic for gradient_as_bucket_view=True: div_ in place
         self.static_graph = False
         self.comm_hook: tuple | None = None  # (hook, state)
+        self.bucket_collective = None  # ZeRO's reduce-scatter instead of the all-reduce (see the module docstring)
         self.buckets = build_buckets(self.slots, initial_layout(params, initial_caps), grad_views, grad_dtype)
         diagnoser = StuckBucketDiagnoser(group, instance_id)
         self.waiter = BucketWaiter(self.device, pg_timeout_seconds(group, self.device), diagnoser.diagnose)
@@ -162,8 +169,11 @@ class Reducer:
         return [[s.index for s in b.slots] for b in self.buckets]
 
     def _apply_layout(self, assignment: list[list[int]]) -> None:
-        """Re-bucket (between steps; the same ``assignment`` on every rank). Gradients move into the new views."""
-        if assignment != self.layout():
+        """Re-bucket (between steps; the same ``assignment`` on every rank). Gradients move into the new views.
+        ZeRO keeps its sharded buckets and only learns the layout (see the module docstring)."""
+        if self.bucket_collective is not None:
+            self.bucket_collective.follow_layout(assignment)
+        elif assignment != self.layout():
             self.buckets = build_buckets(self.slots, assignment, self.grad_views, self.grad_dtype)
 
     def _push_all_rebuilt_params(self) -> None:
@@ -209,6 +219,11 @@ class Reducer:
         return torch.tensor([int(s.used) for s in self.slots], dtype=torch.int32).to(self.device)
 
     def _get_zeros_like_grad_buckets(self) -> list[GradBucket]:
+        if self.bucket_collective is not None:
+            raise NotImplementedError(
+                "fastpar DDP: model.join() (uneven inputs) cannot shadow ZeRO's reduce-scatter; give every rank the "
+                "same number of batches (fastpar.data loaders do), or use a plain optimizer with join()"
+            )
         last = len(self.buckets) - 1
         return [GradBucket(b, torch.zeros_like(b.comm_flat), b.index == last) for b in self.buckets]
 
@@ -224,6 +239,11 @@ class Reducer:
     def register_comm_hook(self, state, hook) -> None:
         if self.comm_hook is not None:
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        if self.bucket_collective is not None:
+            raise RuntimeError(
+                "fastpar DDP: a comm hook replaces the all-reduce, but this model's optimizer is sharded (ZeRO), which "
+                "reduce-scatters gradients; for bf16 gradient sync pass grad_dtype=torch.bfloat16 to the DDP instead"
+            )
         self.comm_hook = (hook, state)
 
     def _check_reducer_finalized(self) -> None:
@@ -384,6 +404,8 @@ class Reducer:
         if hooked:
             hook, state = self.comm_hook
             bucket.work = hook(state, GradBucket(bucket, bucket.comm_flat, bucket.index == len(self.buckets) - 1))
+        elif self.bucket_collective is not None:
+            bucket.work = self.bucket_collective.start(bucket)
         else:
             bucket.work = dist.all_reduce(bucket.comm_flat, group=self.group, async_op=True)
         bucket.launched = True
@@ -400,6 +422,8 @@ class Reducer:
         """The handle whose completion means ``bucket``'s result is there. A comm hook's future on CUDA is done
         once its work is queued, not run: finishing then would make the compute stream wait for the collective
         mid-backward, so such buckets are finished at the end."""
+        if self.bucket_collective is not None:
+            return None  # ZeRO's exchange may be point-to-point sends, not one pollable work
         if self.device.type == "cuda" and isinstance(bucket.work, torch._C.Future):
             return None
         return bucket.work
@@ -409,8 +433,9 @@ class Reducer:
 
     def _finish_bucket(self, bucket, step: int) -> None:
         result = self.waiter.wait(step, bucket.index, bucket.names, bucket.work)
+        finish = gradient_path.finish if self.bucket_collective is None else self.bucket_collective.finish
         with self._timed("finish", bucket.slots):
-            gradient_path.finish(bucket, result, self._unused_in(bucket))
+            finish(bucket, result, self._unused_in(bucket))
 
     def _timed(self, kind: str, slots: Sequence[ParamSlot]):
         """Times the reducer's own work on ``slots``' gradients while "auto" records this step."""

@@ -87,6 +87,8 @@ def ddp_choice(options: TrainingOptions) -> str:
     """ "fastpar" or "torch": which DistributedDataParallel ``options.ddp`` means here."""
     if options.ddp != "auto":
         return options.ddp
+    if options.shard_optimizer:
+        return "fastpar"  # ZeRO lives on fastpar's buckets (it runs without the extension too)
     from .._ext import ext_status
 
     return "fastpar" if ext_status()["backend"] != "torch" else "torch"

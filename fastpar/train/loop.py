@@ -51,8 +51,13 @@ class Run:
         _seed_everything(opts.seed)  # identical initial weights on every rank
         self.model = build_model(job.model).to(device)
         self.optimizer = build_optimizer(job.optimizer, self.model)
-        self.scheduler = opts.lr_scheduler(self.optimizer) if opts.lr_scheduler else None
         self.ddp_model = wrap_ddp(self.model, opts, device) if world_size > 1 else self.model
+        self.sharded = opts.shard_optimizer and world_size > 1
+        if self.sharded:  # ZeRO-1: the same optimizer (class, groups, state), each rank stepping its shards
+            from ..ddp import ShardedOptimizer
+
+            self.optimizer = ShardedOptimizer.from_optimizer(self.ddp_model, self.optimizer)
+        self.scheduler = opts.lr_scheduler(self.optimizer) if opts.lr_scheduler else None
         _seed_everything(opts.seed + 1000 * rank)  # distinct dropout/augmentation streams per rank
         floating = [p.dtype for p in self.model.parameters() if p.is_floating_point()]
         self.input_dtype = floating[0] if floating else torch.get_default_dtype()
@@ -257,7 +262,9 @@ class Run:
 
     # --- the loop ---------------------------------------------------------------------------------
     def _optimizer_step(self) -> None:
-        if self.opts.grad_clip_norm is not None:
+        if self.opts.grad_clip_norm is not None and self.sharded:  # the reduced gradients exist as shards only
+            self.optimizer.clip_grad_norm_(self.opts.grad_clip_norm)
+        elif self.opts.grad_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opts.grad_clip_norm)
         self.optimizer.step()
         if self.scheduler is not None:

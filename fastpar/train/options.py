@@ -49,6 +49,7 @@ class TrainingOptions:
     grad_dtype: torch.dtype | None = None  # dtype gradients are all-reduced in (None: the parameters' dtype)
     grad_accum_steps: int = 1
     grad_clip_norm: float | None = None
+    shard_optimizer: bool = False  # ZeRO-1: each process keeps 1/N of the optimizer state (fastpar DDP, >1 process)
     mixed_precision: bool = False  # bf16 autocast where the device supports it
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = (
         None  # factory(optimizer) -> scheduler, stepped per step
@@ -125,6 +126,12 @@ class TrainingOptions:
         if self.lr_scheduler is not None and not callable(self.lr_scheduler):
             raise OptionError(
                 "lr_scheduler", "TrainingOptions.lr_scheduler must be a factory: a callable taking the optimizer"
+            )
+        if self.shard_optimizer and self.ddp == "torch":
+            raise OptionError(
+                "shard_optimizer",
+                "TrainingOptions.shard_optimizer=True shards the optimizer on fastpar's DDP buckets; use ddp='fastpar' "
+                "or 'auto' (torch's DDP has its own ZeroRedundancyOptimizer, which the Trainer does not wire up)",
             )
         if self.resume and self.checkpoint_dir is None:
             raise OptionError("resume", "TrainingOptions.resume=True needs checkpoint_dir: the folder to resume from")

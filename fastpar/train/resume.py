@@ -46,6 +46,7 @@ def save(directory: Path, keep: int, *, step: int, epoch: int, batch_in_epoch: i
          train_loader: Any, rank: int, world_size: int) -> list[str] | None:  # fmt: skip
     """Collective: every rank calls it. Rank 0 writes the checkpoint and returns the kept paths, others None."""
     loader_state = train_loader.state_dict() if hasattr(train_loader, "state_dict") else None
+    optimizer_state = optimizer.state_dict()  # on every rank: a sharded optimizer gathers its state on rank 0
     mine = {"rng": ckpt.rng_state(), "batch_in_epoch": batch_in_epoch, "loader": loader_state}
     ranks: list[Any] = [mine]
     if world_size > 1:
@@ -60,7 +61,7 @@ def save(directory: Path, keep: int, *, step: int, epoch: int, batch_in_epoch: i
         "elapsed": elapsed,
         "total_steps": total_steps,  # the run's planned length: a resume with another length re-plans the schedule
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "ranks": ranks,
     }

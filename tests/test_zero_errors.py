@@ -1,0 +1,175 @@
+"""What ZeRO refuses, before the first step, with a message naming what is wrong and what to do; and the
+non-finite gradient report. One-rank gloo group in this process (the checks do not depend on the world size)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fastpar
+from fastpar.launcher import free_port
+
+
+@pytest.fixture
+def group(no_process_group):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+class TrustRatioSGD(torch.optim.Optimizer):
+    """SGD that, with ``trust=True``, scales each parameter's step by ||p|| / ||grad|| (LARS-like): not elementwise."""
+
+    def __init__(self, params, lr=0.1, trust=False):
+        super().__init__(params, {"lr": lr, "trust": trust})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    scale = p.norm() / (p.grad.norm() + 1e-12) if group["trust"] else 1.0
+                    p.add_(p.grad, alpha=-group["lr"] * float(scale))
+
+
+def test_lbfgs_needs_whole_parameters(group):
+    with pytest.raises(ValueError, match="LBFGS: its step\\(\\) needs a closure"):
+        fastpar.ShardedOptimizer(fastpar.DDP(mlp()), torch.optim.LBFGS)
+
+
+def test_adafactor_is_not_elementwise(group):
+    with pytest.raises(
+        ValueError, match=r"cannot shard param group 0 \(0.weight, 0.bias, 2.weight, 2.bias\) with Adafactor"
+    ):
+        fastpar.ShardedOptimizer(fastpar.DDP(mlp()), torch.optim.Adafactor, lr=0.01)
+
+
+def test_a_group_whose_hyperparameters_are_not_elementwise_is_named(group):
+    model = fastpar.DDP(mlp())
+    groups = [{"params": [model.module[0].weight, model.module[0].bias]},
+              {"params": [model.module[2].weight, model.module[2].bias], "trust": True}]  # fmt: skip
+    with pytest.raises(ValueError, match=r"param group 1 \(2.weight, 2.bias\) with TrustRatioSGD: stepping one flat"):
+        fastpar.ShardedOptimizer(model, TrustRatioSGD, groups)
+    fastpar.ShardedOptimizer(model, TrustRatioSGD, [{**groups[1], "trust": False}, groups[0]])  # elementwise: fine
+
+
+def test_tensor_that_is_not_the_models(group):
+    model = fastpar.DDP(mlp())
+    stranger = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"param group 1 \(\?\) holds a tensor of shape \[3\] that is not a parameter"):
+        fastpar.ShardedOptimizer(model, torch.optim.SGD, [{"params": model.parameters()}, {"params": [stranger]}])
+
+
+def test_trainable_parameter_in_no_group(group):
+    model = fastpar.DDP(mlp())
+    with pytest.raises(ValueError, match=r"1 trainable parameter\(s\) of the model are in no param group: 2.bias"):
+        fastpar.ShardedOptimizer(
+            model, torch.optim.SGD, [p for n, p in model.module.named_parameters() if n != "2.bias"]
+        )
+
+
+def test_frozen_parameters_in_a_group_are_fine(group):
+    module = mlp()
+    module[0].requires_grad_(False)
+    opt = fastpar.ShardedOptimizer(fastpar.DDP(module), torch.optim.SGD, module.parameters(), lr=0.1)
+    assert len(opt.param_groups[0]["params"]) == 4
+
+
+def test_torch_ddp_is_refused(group):
+    with pytest.raises(TypeError, match="needs a fastpar.DistributedDataParallel model"):
+        fastpar.ShardedOptimizer(torch.nn.parallel.DistributedDataParallel(mlp()), torch.optim.SGD)
+
+
+def test_comm_hooks_and_a_second_optimizer_are_refused(group):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    hooked = fastpar.DDP(mlp())
+    hooked.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(RuntimeError, match="has a comm hook"):
+        fastpar.ShardedOptimizer(hooked, torch.optim.SGD)
+    model = fastpar.DDP(mlp())
+    opt = fastpar.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    with pytest.raises(RuntimeError, match="optimizer is sharded"):
+        model.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(RuntimeError, match="already has a ShardedOptimizer"):
+        fastpar.ShardedOptimizer(model, torch.optim.SGD)
+    with pytest.raises(NotImplementedError, match="pass every param group to the constructor"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+    with pytest.raises(NotImplementedError, match="join\\(\\)"):
+        model.reducer._get_zeros_like_grad_buckets()  # what torch's join hook calls on a joined rank
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        fastpar.ShardedOptimizer(fastpar.DDP(mlp()), torch.optim.SGD, exchange="ring")
+
+
+def test_non_finite_gradient_is_reported_by_name(group):
+    model = fastpar.DDP(mlp())
+    opt = fastpar.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    x = torch.ones(2, 4)
+    model(x).sum().backward()
+    assert all(p.grad is None for p in model.parameters())  # the reduced gradient lives in the shards
+    with pytest.raises(ValueError, match="norm_type=1.0 is not supported"):
+        opt.clip_grad_norm_(1.0, norm_type=1.0)
+    assert torch.isfinite(opt.clip_grad_norm_(1e9))
+    opt.zero_grad()
+    model(torch.full((2, 4), float("inf"))).sum().backward()
+    with pytest.raises(RuntimeError, match=r"non-finite.*inf/nan gradients: .*0.weight"):
+        opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
+    assert not torch.isfinite(opt.clip_grad_norm_(1.0))  # as torch: reported in the returned norm
+    assert not torch.isfinite(opt.clip_grad_norm_(1.0, exact=False))
+
+
+def test_state_that_one_shard_cannot_hold_is_refused(group):
+    module = mlp()
+    plain = torch.optim.AdamW(module.parameters(), lr=0.01)
+    module(torch.ones(2, 4)).sum().backward()
+    plain.step()
+    module[0].weight.grad = None  # skipped once: its step count differs from the others'
+    plain.step()
+    model = fastpar.DDP(module)
+    opt = fastpar.ShardedOptimizer(model, torch.optim.AdamW, lr=0.01)
+    with pytest.raises(ValueError, match=r"'step' is 1.0 for 0.weight but 2.0 for 0.bias; they share a shard"):
+        opt.load_state_dict(plain.state_dict())
+    with pytest.raises(ValueError, match="different number of parameter groups"):
+        opt.load_state_dict({"state": {}, "param_groups": []})
+
+
+def _stuck_rank(rank: int, world_size: int, where: str) -> str:
+    import time
+
+    model = fastpar.DDP(mlp())
+    opt = fastpar.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()  # one whole step first: DDP's bucket rebuild is behind us
+    opt.step()
+    loss = model(torch.ones(2, 4)).sum()
+    if rank == 1 and where == "backward":
+        time.sleep(30)  # never reaches the reduce-scatter; the parent ends this rank
+    loss.backward()
+    if rank == 1 and where == "step":
+        time.sleep(30)  # never sends its updated shard
+    opt.step()
+    model(torch.ones(2, 4))  # waits for the all-gather
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "where, collective",
+    [("backward", "reduce-scatter of gradient bucket 0"), ("step", "all-gather of the updated parameters of bucket")],
+)
+def test_a_rank_that_never_arrives_is_named_without_hanging(where, collective):
+    import time
+
+    from fastpar.launcher import RankError, spawn
+
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn(_stuck_rank, 2, where, timeout=90, pg_timeout=5)
+    message = str(info.value)
+    assert time.monotonic() - start < 60
+    assert "rank 0 of 2 failed" in message and "BucketTimeoutError" in message
+    assert collective in message and "rank(s) [1] never reached it" in message
