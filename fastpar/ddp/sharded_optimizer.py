@@ -61,7 +61,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``optimizer_class`` (default ``model.parameters()``); groups may differ in hyperparameters -- each
     bucket holds one group's parameters. ``defaults``: ``optimizer_class``'s keyword arguments.
     ``overlap``: gather the updated parameters while the next forward runs (False: wait in ``step()``).
-    ``exchange``: ``"auto"`` (point-to-point on gloo, collectives on NCCL), ``"p2p"`` or ``"collective"``.
+    ``exchange``: ``"auto"`` (point-to-point on gloo and the fastpar backend, collectives on NCCL), ``"p2p"`` or ``"collective"``.
     Build it before training (it moves the parameters into flat buffers) and call ``step()``,
     ``zero_grad()``, ``state_dict()`` and ``load_state_dict()`` on every rank.
     """

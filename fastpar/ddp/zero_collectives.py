@@ -13,7 +13,8 @@ each rank's ``param_flat`` slice reaches every rank):
   scratch buffer of ``(p - 1) / p`` of the bucket, kept per bucket (buckets are in flight together).
   On CPU the messages are posted by a background thread (p2p_posting.py says why).
 
-``"auto"``: p2p on gloo, collectives otherwise.
+``"auto"``: p2p on gloo and on fastpar's shared-memory backend (whose all-reduce sums in gloo's ring order, so
+the same model gives the same bits; its reduce-scatter sums in another order), collectives otherwise (NCCL).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def resolve_exchange(exchange: str, group: dist.ProcessGroup) -> str:
         raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
     if exchange != "auto":
         return exchange
-    return "p2p" if dist.get_backend(group) == "gloo" else "collective"
+    return "p2p" if dist.get_backend(group) in ("gloo", "fastpar") else "collective"
 
 
 class ZeroCollective:
