@@ -66,9 +66,14 @@ class PostingThread:
         return works
 
     def close(self) -> None:
-        if self._thread is not None:
+        """Stop the thread after what it was given, and wait for it (briefly: a peer may be gone). Joining
+        matters at interpreter exit (this runs from a ``weakref.finalize``): a daemon thread that wakes while
+        the interpreter finalizes is unwound through torch's C++ frames, which aborts the process ("terminate
+        called without an active exception")."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._queue.put(None)
-            self._thread = None
+            thread.join(timeout=5.0)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
