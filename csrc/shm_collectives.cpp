@@ -204,8 +204,9 @@ void broadcast(Group& g, void* data, int64_t bytes, int root, int32_t dtype, std
   run_steps(
       g, move_desc(OpKind::kBroadcast, bytes, dtype, root), timeout, bytes, static_cast<int64_t>(g.slot_bytes()),
       [&](uint64_t step, int64_t lo, int64_t len) {
-        if (rank != root) return;
-        copy_bytes(g.stage(root, step), base + lo, len);
+        // Every rank arrives (publishing its call), so the root can check the receivers called the same broadcast:
+        // ranks that disagree on the root would each broadcast to themselves and return different tensors.
+        if (rank == root) copy_bytes(g.stage(root, step), base + lo, len);
         g.signal(Counter::kArrive, step);
       },
       [&](uint64_t step, bool first, int64_t lo, int64_t len) {
@@ -213,6 +214,9 @@ void broadcast(Group& g, void* data, int64_t bytes, int root, int32_t dtype, std
           g.wait_rank(Counter::kArrive, root, step);
           if (first) g.check_same_call(step, root);
           copy_bytes(base + lo, g.stage(root, step), len);
+        } else if (first) {
+          g.wait_all(Counter::kArrive, step);
+          g.check_same_call(step);
         }
         g.signal(Counter::kDone, step);
       });

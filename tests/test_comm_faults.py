@@ -141,6 +141,31 @@ def test_mismatched_calls_fail_on_every_rank_with_both_calls_named():
         assert "float32 x 10" in message and "float32 x 20" in message, message
 
 
+def _broadcast_roots_disagree(rank: int, world: int):
+    # Each rank names itself as the root: without the root checking the others' calls, every rank "broadcast" to
+    # itself and returned its own tensor, a silent divergence.
+    return _timed(lambda: dist.broadcast(torch.full((10,), float(rank)), src=rank))
+
+
+def test_broadcast_with_different_roots_fails_on_every_rank():
+    outcome, _ = _run(_broadcast_roots_disagree, 2, pg_timeout=120)
+    for rank in (0, 1):
+        kind, (message, _seconds) = outcome[rank]
+        assert kind == "ok" and "collective mismatch" in message, outcome[rank]
+        assert "root 0" in message and "root 1" in message, message
+
+
+def _broadcast_sizes_disagree(rank: int, world: int):
+    return _timed(lambda: dist.broadcast(torch.zeros(10 + rank), src=0))
+
+
+def test_broadcast_root_learns_of_a_receiver_with_another_size():
+    outcome, _ = _run(_broadcast_sizes_disagree, 2, pg_timeout=120)
+    for rank in (0, 1):
+        kind, (message, _seconds) = outcome[rank]
+        assert kind == "ok" and "collective mismatch" in message, outcome[rank]
+
+
 def _dead_pid() -> int:
     child = subprocess.Popen(["true"])
     child.wait()
