@@ -27,12 +27,15 @@ bool reducible_tensor(const at::Tensor& t) { return on_cpu(t) && reducible(real_
 bool same_dtype(const at::Tensor& a, const at::Tensor& b) { return a.scalar_type() == b.scalar_type(); }
 
 // A contiguous tensor the kernels work on, and the way its values get back into the caller's tensor. Complex
-// tensors are viewed as real, as gloo does (so sums follow the same order).
+// tensors are viewed as real, as gloo does (so sums follow the same order). Detached (same storage and version
+// counter): a collective writes into the tensor's memory outside autograd, as gloo does, so a non-contiguous leaf
+// that requires grad (a transposed nn.Parameter) must not fail the copy back as an in-place autograd operation.
 struct Dense {
   at::Tensor user;
   at::Tensor data;  // `user` itself when contiguous, else a copy taken at call time
 
-  explicit Dense(const at::Tensor& t) : user(t.is_complex() ? at::view_as_real(t) : t), data(user.contiguous()) {}
+  explicit Dense(const at::Tensor& t)
+      : user(t.is_complex() ? at::view_as_real(t.detach()) : t.detach()), data(user.contiguous()) {}
   char* ptr() const { return static_cast<char*>(data.data_ptr()); }
   int64_t numel() const { return data.numel(); }
   int64_t bytes() const { return data.numel() * static_cast<int64_t>(data.element_size()); }

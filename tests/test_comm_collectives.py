@@ -148,6 +148,20 @@ def _layouts_rank(rank: int, world: int) -> list[str]:
             view.copy_(dense)
         return base
 
+    def transposed_parameter(group):
+        # a non-contiguous leaf that requires grad: the result is copied back into it outside autograd
+        weight = torch.nn.Parameter(_values(rank, 24 * 17, torch.float32).view(24, 17).t())
+        if group is None:
+            dist.all_reduce(weight)
+            dist.broadcast(weight, src=world - 1)
+        else:
+            dense = weight.detach().contiguous()
+            dist.all_reduce(dense, group=group)
+            dist.broadcast(dense, src=world - 1, group=group)
+            with torch.no_grad():
+                weight.copy_(dense)
+        return weight.detach()
+
     def complex_sum(group):
         t = torch.complex(_values(rank, 257, torch.float32), _values(rank, 257, torch.float32, salt=9))
         dist.all_reduce(t, group=group)
@@ -198,7 +212,7 @@ def _layouts_rank(rank: int, world: int) -> list[str]:
             req.wait()
         return got
 
-    calls = (strided, complex_sum, coalesced, in_place_gather, matrix_scatter, bytes_broadcast, integer_sum, maximum,
+    calls = (strided, transposed_parameter, complex_sum, coalesced, in_place_gather, matrix_scatter, bytes_broadcast, integer_sum, maximum,
              all_to_all, send_recv)  # fmt: skip
     for call in calls:
         check(call.__name__, call)
