@@ -104,7 +104,9 @@ class TrainingOptions:
                 f"TrainingOptions.execution_environment must be one of {ENVIRONMENTS}, got {self.execution_environment!r}",
             )
         if self.cpu_backend not in CPU_BACKENDS:
-            raise ValueError(f"TrainingOptions.cpu_backend must be one of {CPU_BACKENDS}, got {self.cpu_backend!r}")
+            raise OptionError(
+                "cpu_backend", f"TrainingOptions.cpu_backend must be one of {CPU_BACKENDS}, got {self.cpu_backend!r}"
+            )
         if self.ddp not in DDP_CHOICES:
             raise OptionError("ddp", f"TrainingOptions.ddp must be one of {DDP_CHOICES}, got {self.ddp!r}")
         if self.plots not in PLOTS:
