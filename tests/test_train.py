@@ -23,6 +23,7 @@ from fastpar.train import ExecutionEnvironmentError, Trainer, TrainingOptions, e
 from fastpar.train import checkpoint as ckpt
 from fastpar.train.data import make_loader
 from fastpar.train.loop import INFO_KEYS
+from fastpar.user_errors import OptionError
 
 CLASSES = 3
 
@@ -349,9 +350,13 @@ def test_unpicklable_factory_is_a_clear_error(tmp_path):
         ("batch_size", 0, "batch_size must be an integer >= 1"),
         ("ddp", "apex", "ddp must be one of"),
         ("grad_dtype", torch.int8, "grad_dtype must be"),
+        ("cpu_backend", "mpi", "cpu_backend must be one of"),
     ],
 )
 def test_options_are_validated(field, value, match):
+    with pytest.raises(OptionError, match=match) as raised:
+        TrainingOptions(**{field: value})
+    assert raised.value.option == field  # the CLI and tools name the option from it
     with pytest.raises(ValueError, match=match):
         TrainingOptions(**{field: value})
 

@@ -9,11 +9,22 @@ import shutil
 
 import pytest
 import torch
-from test_train import STEPS, TRAIN, VAL, assert_same_parameters, make_model
+from test_train import CLASSES, STEPS, TRAIN, VAL, assert_same_parameters, make_model
 
 from fastpar.train import Trainer, TrainingOptions
 from fastpar.train import checkpoint as ckpt
 from fastpar.user_errors import OptionError
+
+
+class WithUnusedLayer(torch.nn.Module):
+    """A model whose ``unused`` layer never gets a gradient (needs find_unused_parameters=True)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.unused, self.last = torch.nn.Linear(8, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.first(x)))
 
 
 def make_adamw(params) -> torch.optim.Optimizer:
@@ -24,12 +35,12 @@ def one_cycle(optimizer, total_steps: int):
     return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.02, total_steps=total_steps, pct_start=0.3)
 
 
-def fit(tmp, **overrides):
+def fit(tmp, model=make_model, **overrides):
     base = dict(max_epochs=2, batch_size=16, execution_environment="cpu", devices=2, ddp="fastpar", log_every=4,
                 validation_data=VAL, output_dir=str(tmp / "out"), progress_bar=False, grad_clip_norm=0.5,
                 lr_scheduler=functools.partial(one_cycle, total_steps=STEPS))  # fmt: skip
     options = TrainingOptions(**{**base, **overrides})
-    return Trainer(make_model, make_adamw, torch.nn.functional.cross_entropy, TRAIN, options=options).fit()
+    return Trainer(model, make_adamw, torch.nn.functional.cross_entropy, TRAIN, options=options).fit()
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +84,17 @@ def test_resume_from_a_mid_run_checkpoint_is_exact(sharded_run, tmp_path):
 def test_shard_optimizer_needs_fastpars_ddp():
     with pytest.raises(OptionError, match="shard_optimizer"):
         TrainingOptions(shard_optimizer=True, ddp="torch")
+
+
+def test_unused_parameter_trains_and_clipping_keeps_the_used_parameters_identical(tmp_path):
+    """A parameter no rank uses has no gradient: torch's clipping leaves it out of the total norm, so the sharded
+    norm must too (an extra 0 among the norms changed the clip coefficient's last bit, and every used parameter
+    after it). The unused layer itself is stepped with a zero gradient under ZeRO (weight decay), as documented."""
+    runs = [fit(tmp_path / str(shard), model=WithUnusedLayer, max_epochs=1, find_unused_parameters=True,
+                shard_optimizer=shard, grad_clip_norm=0.05) for shard in (False, True)]  # fmt: skip
+    plain, sharded = (run.model.state_dict() for run in runs)
+    for name in plain:
+        if not name.startswith("unused."):
+            assert torch.equal(plain[name], sharded[name]), f"{name} differs"
+    torch.manual_seed(0)
+    assert torch.equal(plain["unused.weight"], WithUnusedLayer().unused.weight)  # torch's AdamW skipped it

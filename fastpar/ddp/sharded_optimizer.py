@@ -213,7 +213,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         if exact:
             norms = self._norms.parameter_norms()
-            total = torch.linalg.vector_norm(norms, 2)
+            unused = [i for zb in self._sharded for i in zb.unused]  # the same on every rank
+            measured = norms
+            if unused:  # torch's clip_grad_norm_ skips parameters without .grad: their 0 would change the bits
+                used = torch.ones(len(norms), dtype=torch.bool)
+                used[unused] = False
+                measured = norms[used.to(norms.device)]
+            total = torch.linalg.vector_norm(measured, 2)
             finite = torch.isfinite(total)
         else:
             total, finite = self._norms.fused_total()

@@ -85,6 +85,7 @@ class ZeroCollective:
         if comm is not bucket.grad_flat:  # reduced in bf16/fp16: widen into the fp32 gradient shard, exactly
             zb.grad_shard.copy_(zb.region(comm, self.rank))
         zb.shard_param.grad = zb.grad_shard
+        zb.unused = [slot.index for slot in bucket.slots if slot.index in globally_unused]  # clipping skips them
         for slot in bucket.slots:
             slot.param.grad = None
 

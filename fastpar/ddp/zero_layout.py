@@ -40,6 +40,7 @@ class ShardedBucket:
         self.sum_ranges: list[SumRange] = []
         self.scratch: torch.Tensor | None = None  # the peers' contributions (point-to-point exchange)
         self.gather = None  # the in-flight all-gather of updated shards
+        self.unused: list[int] = []  # slot indices no rank used in the last reduced backward (no gradient)
 
     @property
     def index(self) -> int:

@@ -100,8 +100,10 @@ def wrap_ddp(model: torch.nn.Module, options: TrainingOptions, device: torch.dev
     if ddp_choice(options) == "fastpar":
         from ..ddp import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=device_ids, grad_dtype=options.grad_dtype)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+        return DistributedDataParallel(model, device_ids=device_ids, grad_dtype=options.grad_dtype,
+                                       find_unused_parameters=options.find_unused_parameters)  # fmt: skip
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
+                                                    find_unused_parameters=options.find_unused_parameters)  # fmt: skip
     if options.grad_dtype in (torch.bfloat16, torch.float16):  # torch's way: a compression comm hook
         ddp.register_comm_hook(options.grad_dtype, _compress_hook)
     return ddp

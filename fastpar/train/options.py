@@ -49,6 +49,7 @@ class TrainingOptions:
     grad_dtype: torch.dtype | None = None  # dtype gradients are all-reduced in (None: the parameters' dtype)
     grad_accum_steps: int = 1
     grad_clip_norm: float | None = None
+    find_unused_parameters: bool = False  # DDP's: for models with parameters that some steps leave without a gradient
     shard_optimizer: bool = False  # ZeRO-1: each process keeps 1/N of the optimizer state (fastpar DDP, >1 process)
     mixed_precision: bool = False  # bf16 autocast where the device supports it
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = (
@@ -103,7 +104,9 @@ class TrainingOptions:
                 f"TrainingOptions.execution_environment must be one of {ENVIRONMENTS}, got {self.execution_environment!r}",
             )
         if self.cpu_backend not in CPU_BACKENDS:
-            raise ValueError(f"TrainingOptions.cpu_backend must be one of {CPU_BACKENDS}, got {self.cpu_backend!r}")
+            raise OptionError(
+                "cpu_backend", f"TrainingOptions.cpu_backend must be one of {CPU_BACKENDS}, got {self.cpu_backend!r}"
+            )
         if self.ddp not in DDP_CHOICES:
             raise OptionError("ddp", f"TrainingOptions.ddp must be one of {DDP_CHOICES}, got {self.ddp!r}")
         if self.plots not in PLOTS:
