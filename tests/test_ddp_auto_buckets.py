@@ -288,7 +288,7 @@ def test_join_stops_auto_where_it_is():
         assert summary["phase"] == "off" and "join()" in summary["stopped"]
 
 
-def test_readme_example_runs_as_written():
+def test_guide_example_runs_as_written():
     import os
     import re
     import subprocess
@@ -296,9 +296,9 @@ def test_readme_example_runs_as_written():
 
     root = Path(__file__).resolve().parent.parent
     example = root / "examples" / "ddp_auto_buckets.py"
-    readme = (root / "README.md").read_text()
-    shown = re.search(r"```python\n(\"\"\"fastpar DDP choosing its own buckets.*?)```", readme, flags=re.S)
-    assert shown is not None and shown.group(1) == example.read_text(), "README shows examples/ddp_auto_buckets.py"
+    guide = (root / "docs" / "guide" / "ddp.md").read_text()
+    shown = re.search(r"```python\n(\"\"\"fastpar DDP choosing its own buckets.*?)```", guide, flags=re.S)
+    assert shown is not None and shown.group(1) == example.read_text(), "docs/guide/ddp.md shows examples/ddp_auto_buckets.py"
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert run.returncode == 0, run.stderr[-2000:]
