@@ -116,9 +116,9 @@ def _sandbox(tmp_path: Path) -> dict:
         (tmp_path / name).symlink_to(ROOT / name)
     bin_dir = tmp_path / ".bin"
     bin_dir.mkdir()
-    (bin_dir / "fastpar").write_text(f'#!/bin/sh\nexec {sys.executable} -m fastpar "$@"\n')  # the console script
-    (bin_dir / "fastpar").chmod(0o755)
-    (bin_dir / "python").symlink_to(sys.executable)
+    for name, command in (("fastpar", f"{sys.executable} -m fastpar"), ("python", sys.executable)):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {command} "$@"\n')  # the console script; this venv's python
+        (bin_dir / name).chmod(0o755)
     return {
         **os.environ,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
