@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import importlib
 
-from ._ext import ext_status
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -31,7 +29,8 @@ __all__ = [
 _LAZY = {
     "DistributedDataParallel": ("fastpar.ddp", "DistributedDataParallel"),
     "DDP": ("fastpar.ddp", "DistributedDataParallel"),
-    "ShardedOptimizer": ("fastpar.ddp", "ShardedOptimizer"),
+    "ShardedOptimizer": ("fastpar.zero", "ShardedOptimizer"),
+    "ext_status": ("fastpar.ops.loader", "ext_status"),
     "Trainer": ("fastpar.train", "Trainer"),
     "TrainingOptions": ("fastpar.train", "TrainingOptions"),
     "ops": ("fastpar.ops", None),

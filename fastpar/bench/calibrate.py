@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ..ddp.collective_costs import ring_seconds
-from ..ddp.perf_profile import CollectiveTable, Profile
+from ..costmodel.collective_costs import ring_seconds
+from ..costmodel.perf_profile import CollectiveTable, Profile
 from . import launch
 from .calibration import (
     CONTENTION_BUCKET_BYTES,
@@ -195,8 +195,8 @@ def _report(args: argparse.Namespace, profile: Profile) -> BenchReport:
     footer = [
         f"profile: {args.profile_path} ({len(t.grads)} gradients, {format_bytes(grad_bytes)}; "
         f"predict with: fastpar bench simulate --profile {args.profile_path})",
-        "model_ms of a collective: the ring formula with the fitted alpha/beta (fastpar.ddp.collective_costs)",
-        "model_ms of a step: fastpar.ddp.step_simulator with torch's bucket layout at that cap",
+        "model_ms of a collective: the ring formula with the fitted alpha/beta (fastpar.costmodel.collective_costs)",
+        "model_ms of a step: fastpar.costmodel.step_simulator with torch's bucket layout at that cap",
         f"timeline: hook medians (slowest rank) x {profile.meta['timeline_scale']:.3f} = the no_comm step measured "
         "in the same rounds",
     ]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..ddp.perf_profile import CollectiveTable
+from ..costmodel.perf_profile import CollectiveTable
 from . import launch
 from .collective_cases import distinct_sizes, make_case
 from .collectives import check_and_time

@@ -7,7 +7,7 @@ the store without a cache (every epoch is a first epoch), ``s3_cached_*`` the st
 ``cache_dir`` (later epochs); with DALI also ``s3_dali_reader`` (DALI's own S3 reader, fn.io.file.read),
 and ``fetch_only``: the objects of an epoch fetched by the client without decoding (the store's limit).
 
-``--local-s3`` starts moto's S3 server on 127.0.0.1 (``fastpar.data.local_s3``, in its own process),
+``--local-s3`` starts moto's S3 server on 127.0.0.1 (``fastpar.data.remote.local_s3``, in its own process),
 seeded with the generated images; then the ``srv_CPU%`` column is that server's CPU (on this machine it
 competes with decoding for the same cores) and ``GETs`` counts the object requests it served per epoch.
 A ``--root`` URL is copied to a local folder first, for the ``local_*`` rows.
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from .._optional import available
-from ..data.object_store import StoreOptions
-from ..data.urls import is_url
+from ..data.remote.store import StoreOptions
+from ..data.remote.urls import is_url
 from .harness import BenchUsageError, Plan, WrongResultError, median
 from .table import BenchReport, Column, PlotSpec, goal_line
 
@@ -44,8 +44,8 @@ def _server_cpu(server) -> float:
 
 def _download(url: str, dest: Path) -> Path:
     """Copy the objects under ``url`` into ``dest`` (class folders kept), for the local rows."""
-    from ..data.object_folder import scan_object_folder
-    from ..data.object_store import open_store
+    from ..data.remote.folder import scan_object_folder
+    from ..data.remote.store import open_store
 
     store = open_store(url, StoreOptions())
     folder = scan_object_folder(store)
@@ -62,7 +62,7 @@ def _download(url: str, dest: Path) -> Path:
 
 def run(args: argparse.Namespace, device: torch.device, local_folder: Callable[[], Path]) -> BenchReport:
     from ..data import image_loader
-    from ..data.local_s3 import LocalS3
+    from ..data.remote.local_s3 import LocalS3
     from .data import _cpu_seconds
 
     if args.local_s3 and args.root:

@@ -22,8 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from .. import _ext, ops
-from .._ext import ext_status
+from .. import ops
+from ..ops import loader
+from ..ops.loader import ext_status
 from .harness import (
     FLOAT_DTYPES,
     BenchUsageError,
@@ -80,13 +81,13 @@ def kernel_tiers(device: torch.device) -> tuple[dict[str, object], list[str]]:
     tiers, notes = {}, []
     if device.type != "cuda":
         return tiers, notes
-    module = _ext.extension()
+    module = loader.extension()
     if module is not None and module.has_cuda():
         tiers["compiled"] = module
     else:
         notes.append("fastpar._C has no CUDA kernels here (not built with nvcc)")
     try:
-        from .._cupy_tier import load
+        from ..ops.cupy_tier import load
 
         tier = load()
         tier.prepare(device)  # compile (or load from the disk cache) before timing

@@ -7,7 +7,7 @@ sources do not give is assumed the same way for every case and listed with it:
 
 - backward is 2/3 of a step's compute (forward 1/3; the optimizer folded in), and each layer's
   gradient is ready when backward has done that layer's share of the FLOPs (last layer first);
-- bus bandwidth = link peak x 0.8 (``fastpar.ddp.fabrics.LINK_EFFICIENCY``), NCCL's per-step latencies;
+- bus bandwidth = link peak x 0.8 (``fastpar.costmodel.fabrics.LINK_EFFICIENCY``), NCCL's per-step latencies;
 - no slowdown of compute by communication kernels (NCCL's use of SMs is not modelled).
 
 Sources:
@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..ddp.collective_costs import Fabric, Link
-from ..ddp.fabrics import LATENCY_US, LINK_EFFICIENCY, NCCL_BASE_LATENCY_US, preset
-from ..ddp.step_simulator import GradArrival, StepTimeline, SyncCosts
+from ..costmodel.collective_costs import Fabric, Link
+from ..costmodel.fabrics import LATENCY_US, LINK_EFFICIENCY, NCCL_BASE_LATENCY_US, preset
+from ..costmodel.step_simulator import GradArrival, StepTimeline, SyncCosts
 
 BACKWARD_SHARE = 2 / 3
 P100_COPY_GBS = 732 / 2 * LINK_EFFICIENCY  # HBM2 peak 732 GB/s, read + write: gradient bytes copied per second

@@ -4,9 +4,9 @@ From a profile (``fastpar bench calibrate --profile FILE``, or ``published:NAME`
 measurement rebuilt from its own inputs, see ``fastpar.bench.published``) and a fabric: ``--preset``,
 ``--topology FILE`` (``fastpar topo --json`` output or saved ``nvidia-smi topo -m``), or by default the
 profile's own measured network (alpha/beta fitted to its all-reduce, a flat ring). Collective costs:
-``fastpar.ddp.collective_costs`` (ring and tree formulas with their sources); the step:
-``fastpar.ddp.step_simulator``. For each N and each bucket cap (torch DDP's layout at that cap; ``auto``
-= ``fastpar.ddp.bucket_optimizer.plan_buckets``) one row: step, exposed communication, efficiency =
+``fastpar.costmodel.collective_costs`` (ring and tree formulas with their sources); the step:
+``fastpar.costmodel.step_simulator``. For each N and each bucket cap (torch DDP's layout at that cap; ``auto``
+= ``fastpar.costmodel.bucket_optimizer.plan_buckets``) one row: step, exposed communication, efficiency =
 compute-only step / predicted step (weak scaling: the same batch per rank).
 
 Validation, in the same output: every step the profile measured (torch DDP on the calibrated ranks)
@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, replace
 
-from ..ddp.bucket_optimizer import plan_buckets, size_capped_buckets, torch_layout
-from ..ddp.collective_costs import Fabric, algorithm_for, collective_seconds
-from ..ddp.fabrics import PRESETS, fabric_from_topology, load_topology, preset, with_overrides
-from ..ddp.perf_profile import REDUCERS, Profile
-from ..ddp.step_simulator import simulate_step
+from ..costmodel.bucket_optimizer import plan_buckets, size_capped_buckets, torch_layout
+from ..costmodel.collective_costs import Fabric, algorithm_for, collective_seconds
+from ..costmodel.fabrics import PRESETS, fabric_from_topology, load_topology, preset, with_overrides
+from ..costmodel.perf_profile import REDUCERS, Profile
+from ..costmodel.step_simulator import simulate_step
 from .harness import BenchUsageError
 from .published import CASES, PublishedCase, case
 from .table import BenchReport, Column, PlotSpec, goal_line
@@ -207,7 +207,7 @@ def _report(args, profile, published, fabric, timeline, rows) -> BenchReport:
     checks = validate(profile, published)
     footer = [f"fabric: {fabric.name}: {_fabric_line(fabric)}"]
     footer += [f"  source: {s}" for s in fabric.sources]
-    footer.append("collectives: ring/tree formulas of fastpar.ddp.collective_costs (Thakur et al. 2005; NCCL tuning.cc; "
+    footer.append("collectives: ring/tree formulas of fastpar.costmodel.collective_costs (Thakur et al. 2005; NCCL tuning.cc; "
                   "Sanders et al. 2009); algorithm column: what a 4 MB all-reduce uses")  # fmt: skip
     summary: dict = {"fabric": fabric.name, "compute_s": timeline.compute_s}
     for check in checks:

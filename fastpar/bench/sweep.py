@@ -92,7 +92,7 @@ def _check(sweep_results: list[dict], sequential: list[dict]) -> None:
 
 
 def run(args: argparse.Namespace) -> BenchReport:
-    from ..jobs.slots import usable_cpus
+    from ..host import usable_cpus
 
     slots = args.slots or len(usable_cpus())
     if not 1 <= slots <= len(usable_cpus()):

@@ -24,12 +24,12 @@ import warnings
 
 import torch
 
-from .. import _ext
+from ..ops import loader
 from .segments import SHM_DIR, segment_name, sweep_stale_segments
 
 BACKEND_NAME = "fastpar"
-MAX_RANKS = 64  # csrc/shm_segment.h kMaxRanks
-MAX_BUFFERS = 62  # csrc/shm_segment.h kMaxBuffers
+MAX_RANKS = 64  # csrc/shm/segment.h kMaxRanks
+MAX_BUFFERS = 62  # csrc/shm/segment.h kMaxBuffers
 _KEY = "fastpar_shm/"
 _log = logging.getLogger("fastpar.comm")
 
@@ -49,7 +49,7 @@ def staging() -> tuple[int, int]:
 
 def is_available() -> bool:
     """Whether this installation can run the shared-memory path (Linux, /dev/shm, the compiled extension)."""
-    ext = _ext.extension()
+    ext = loader.extension()
     return ext is not None and hasattr(ext, "ShmBackend") and SHM_DIR.is_dir()
 
 
@@ -124,11 +124,11 @@ def _create_backend(opts, backend_options=None):
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
     gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-    ext = _ext.extension()
+    ext = loader.extension()
     if ext is None or not hasattr(ext, "ShmBackend"):
         warnings.warn(
             "fastpar backend: the compiled extension is not available "
-            f"({_ext.ext_status()['reason']}); this group runs on gloo",
+            f"({loader.ext_status()['reason']}); this group runs on gloo",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -153,7 +153,7 @@ def shm_status(group=None) -> dict:
         backend = group._get_backend(torch.device("cpu"))
     except RuntimeError as exc:
         return {"backend": name, "shm": False, "reason": str(exc)}
-    ext = _ext.extension()
+    ext = loader.extension()
     state = ext.shm_backend_state(backend) if ext is not None and hasattr(ext, "shm_backend_state") else None
     if state is None:
         return {"backend": name, "shm": False, "reason": f"{type(backend).__name__} is not fastpar's backend"}

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from .._optional import available
-from .object_store import StoreOptions
+from ..host import usable_cpu_count
+from .remote.store import StoreOptions
 from .sharding import ShardSpec, rank_batches
 from .sources import open_image_source
 from .transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -129,7 +130,7 @@ class PlannedLoader:
 
 def default_num_threads() -> int:
     """CPU threads (DALI) or worker processes (torch) per rank: the rank's share of the cores, 1..8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cpu_count()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, min(8, cores // max(1, local_ranks)))
 
