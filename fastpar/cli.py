@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from . import __version__
+        from ._version import __version__
 
         print(f"fastpar {__version__}")
         return 0

@@ -34,7 +34,8 @@ def collect() -> dict:
     import torch
     import torch.distributed as dist
 
-    from . import __version__, ext_status
+    from ._version import __version__
+    from .ops.loader import ext_status
 
     dali = None
     for dist_name in ("nvidia-dali-cuda130", "nvidia-dali-cuda120", "nvidia-dali-cuda110", "nvidia-dali"):
