@@ -244,18 +244,18 @@ def _storage_order_rank(rank: int, world: int) -> list[str]:
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.float64):
         for op_name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
 
-            def all_reduce(group, op=op):
+            def all_reduce(group, op=op, dtype=dtype):
                 t = transposed(64, 33, dtype, salt=1)
                 dist.all_reduce(t, op=op, group=group)
                 return t
 
-            def reduce_scatter_list(group, op=op):
+            def reduce_scatter_list(group, op=op, dtype=dtype):
                 out = transposed(33, 64, dtype, salt=2)
                 dist.reduce_scatter(out, [transposed(33, 64, dtype, salt=3 + q) for q in range(world)], op=op,
                                     group=group)  # fmt: skip
                 return out
 
-            def reduce_scatter_tensor(group, op=op):
+            def reduce_scatter_tensor(group, op=op, dtype=dtype):
                 out = torch.empty(16, 5, dtype=dtype)
                 dist.reduce_scatter_tensor(out, transposed(5, 16 * world, dtype, salt=9), op=op, group=group)
                 return out

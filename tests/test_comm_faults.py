@@ -288,8 +288,9 @@ def _dies_while_aborting(rank: int, world: int):
 def test_rank_dying_while_it_aborts_the_group_is_named():
     outcome, _ = _run(_dies_while_aborting, 2, pg_timeout=120, wait=60)
     assert outcome[1] == ("died", -signal.SIGKILL)
-    kind, (message, seconds) = outcome[0]
-    assert kind == "ok", outcome[0]
+    kind, value = outcome[0]
+    assert kind == "ok", f"rank 0 did not return (a hang ends as 'died'): {outcome[0]}"
+    message, seconds = value
     assert "rank 1" in message and "died" in message, message
     assert seconds < 30, seconds
 

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from test_comm_faults import _run
 
 from fastpar.launcher import spawn
-
-from test_comm_faults import _run
 
 
 def _allgather_quantized_hook(group, bucket):
@@ -157,7 +156,8 @@ def _callback_waits_for_a_collective_never_made(rank: int, world: int):
 
 def test_a_callback_stuck_waiting_fails_at_the_timeout_naming_the_rank():
     outcome, _ = _run(_callback_waits_for_a_collective_never_made, 2, pg_timeout=3, wait=90)
-    kind, (message, seconds) = outcome[0]
-    assert kind == "ok", outcome[0]
+    kind, value = outcome[0]
+    assert kind == "ok", f"rank 0 did not return (a hang ends as 'died'): {outcome[0]}"
+    message, seconds = value
     assert "rank 1" in message and "all_reduce #3" in message, message
     assert seconds < 30, seconds
