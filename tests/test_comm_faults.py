@@ -256,9 +256,9 @@ def test_peer_dying_during_init_leaves_nothing_in_dev_shm():
     for name in left:
         (segments.SHM_DIR / name).unlink(missing_ok=True)
     assert outcome[1] == ("died", 3), outcome
+    assert left == [], f"rank 0 left {left} in /dev/shm"
     kind, message = outcome[0]
     assert kind == "error" and "rank(s) [1]" in message, outcome[0]
-    assert left == [], f"rank 0 left {left} in /dev/shm"
 
 
 _SEGMENT_MAGIC = 0x66617374706172_03  # csrc/shm_segment.cpp kMagic
