@@ -26,22 +26,40 @@ bool reducible_tensor(const at::Tensor& t) { return on_cpu(t) && reducible(real_
 
 bool same_dtype(const at::Tensor& a, const at::Tensor& b) { return a.scalar_type() == b.scalar_type(); }
 
-// A contiguous tensor the kernels work on, and the way its values get back into the caller's tensor. Complex
-// tensors are viewed as real, as gloo does (so sums follow the same order). Detached (same storage and version
-// counter): a collective writes into the tensor's memory outside autograd, as gloo does, so a non-contiguous leaf
-// that requires grad (a transposed nn.Parameter) must not fail the copy back as an in-place autograd operation.
+// Which order a reduction sums a tensor's elements in. gloo reduces a CPU tensor's memory as it lies (numel elements
+// from its data pointer), so a dense tensor that is not contiguous (a transposed weight) is summed in storage order,
+// and at three ranks or more the order decides the last bits. A tensor with gaps (a strided slice) gloo cannot
+// reduce at all; it gets a contiguous copy, summed in logical order.
+enum class Order { kLogical, kStorage };
+
+// A tensor the kernels work on, and the way its values get back into the caller's tensor. Complex tensors are
+// viewed as real, as gloo does (so sums follow the same order). Detached (same storage and version counter): a
+// collective writes into the tensor's memory outside autograd, as gloo does, so a non-contiguous leaf that requires
+// grad (a transposed nn.Parameter) must not fail the copy back as an in-place autograd operation.
 struct Dense {
   at::Tensor user;
-  at::Tensor data;  // `user` itself when contiguous, else a copy taken at call time
+  // `user` itself when contiguous; with Order::kStorage and a dense `user`, a 1-D view of its memory in storage
+  // order; else a contiguous copy taken at call time.
+  at::Tensor data;
+  bool copied = false;
+  bool reordered = false;  // data holds the elements in storage order, not in logical order
 
-  explicit Dense(const at::Tensor& t)
-      : user(t.is_complex() ? at::view_as_real(t.detach()) : t.detach()), data(user.contiguous()) {}
+  explicit Dense(const at::Tensor& t, Order order = Order::kLogical)
+      : user(t.is_complex() ? at::view_as_real(t.detach()) : t.detach()) {
+    if (order == Order::kStorage && !user.is_contiguous() && user.is_non_overlapping_and_dense()) {
+      data = user.as_strided({user.numel()}, {1});  // storage_offset is the lowest address: strides are positive
+      reordered = true;
+    } else {
+      data = user.contiguous();
+      copied = !data.is_same(user);
+    }
+  }
   char* ptr() const { return static_cast<char*>(data.data_ptr()); }
   int64_t numel() const { return data.numel(); }
   int64_t bytes() const { return data.numel() * static_cast<int64_t>(data.element_size()); }
   int32_t dtype() const { return static_cast<int32_t>(data.scalar_type()); }
   void write_back() const {
-    if (!data.is_same(user)) user.copy_(data);
+    if (copied) user.copy_(data);
   }
 };
 
@@ -58,10 +76,10 @@ bool world_pairs(const std::vector<at::Tensor>& big, const std::vector<at::Tenso
   return true;
 }
 
-std::vector<Dense> dense_all(const std::vector<at::Tensor>& tensors) {
+std::vector<Dense> dense_all(const std::vector<at::Tensor>& tensors, Order order = Order::kLogical) {
   std::vector<Dense> out;
   out.reserve(tensors.size());
-  for (const auto& t : tensors) out.emplace_back(t);
+  for (const auto& t : tensors) out.emplace_back(t, order);
   return out;
 }
 
@@ -83,10 +101,20 @@ void gather_into(Group& g, const Dense& in, const Dense& out, std::chrono::milli
 }
 
 // reduce_scatter_tensor: gloo all-reduces the whole input and keeps share `rank`, so the sums follow the order of
-// an all-reduce over world * count elements.
+// an all-reduce over world * count elements, in the input's storage order.
 void reduce_scatter_tensor(Group& g, const Dense& in, const Dense& out, Reduction reduction,
                            std::chrono::milliseconds timeout) {
   const int64_t count = out.numel();
+  if (in.reordered) {
+    // Share `rank` is a logical slice, scattered over the storage: all-reduce a copy laid out like the input and
+    // take the slice from it (a rare layout; twice the traffic of the reduce-scatter below).
+    at::Tensor sums = at::empty_strided(in.user.sizes(), in.user.strides(), in.user.options());
+    at::Tensor flat = sums.as_strided({sums.numel()}, {1});
+    flat.copy_(in.data);
+    all_reduce(g, flat.data_ptr(), flat.numel(), reduction, timeout);
+    out.user.copy_(sums.reshape(-1).narrow(0, g.rank() * count, count).view(out.user.sizes()));
+    return;
+  }
   std::vector<const void*> parts(g.world());
   std::vector<int64_t> offsets(g.world());
   for (int q = 0; q < g.world(); ++q) {
@@ -171,7 +199,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce(std::vector<at::Tensor>& te
   if (!executor_ || tensors.size() != 1 || !reducible_tensor(tensors[0]) || !sum_or_avg(opts.reduceOp)) {
     return gloo_->allreduce(tensors, opts);
   }
-  const Dense t(tensors[0]);
+  const Dense t(tensors[0], Order::kStorage);
   const Reduction reduction = reduction_of(t, opts.reduceOp);
   const auto timeout = op_timeout(opts.timeout);
   return enqueue(OpType::ALLREDUCE, "fastpar:all_reduce", tensors, [t, reduction, timeout](Group& g) {
@@ -271,18 +299,27 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter(std::vector<at::Tensor
     handled = on_cpu(part) && same_dtype(part, outputs[0]) && part.numel() == outputs[0].numel();
   }
   if (!handled) return gloo_->reduce_scatter(outputs, inputs, opts);
-  const Dense out(outputs[0]);
-  const std::vector<Dense> parts = dense_all(inputs[0]);
-  const Reduction reduction = reduction_of(out, opts.reduceOp);
+  // gloo all-reduces each part on its own, in the part's storage order; the sums come out in that order too.
+  const std::vector<Dense> parts = dense_all(inputs[0], Order::kStorage);
+  const Dense& mine = parts[rank_];
+  const at::Tensor out = outputs[0].is_complex() ? at::view_as_real(outputs[0].detach()) : outputs[0].detach();
+  const bool direct =
+      !mine.reordered || (out.sizes() == mine.user.sizes() && out.strides() == mine.user.strides());
+  const Dense sums(direct ? out : at::empty_strided(mine.user.sizes(), mine.user.strides(), mine.user.options()),
+                   mine.reordered ? Order::kStorage : Order::kLogical);
+  const Reduction reduction = reduction_of(sums, opts.reduceOp);
   const auto timeout = op_timeout(opts.timeout);
-  return enqueue(OpType::REDUCE_SCATTER, "fastpar:reduce_scatter", outputs, [out, parts, reduction, timeout](Group& g) {
-    // gloo all-reduces each part on its own: every part is an all-reduce of `count` elements from offset 0.
-    std::vector<const void*> sources;
-    for (const auto& part : parts) sources.push_back(part.ptr());
-    const std::vector<int64_t> offsets(g.world(), 0);
-    shm::reduce_scatter(g, sources, out.ptr(), out.numel(), out.numel(), offsets, reduction, timeout);
-    out.write_back();
-  });
+  return enqueue(OpType::REDUCE_SCATTER, "fastpar:reduce_scatter", outputs,
+                 [out, sums, parts, direct, reduction, timeout](Group& g) {
+                   // every part is an all-reduce of `count` elements from offset 0
+                   std::vector<const void*> sources;
+                   for (const auto& part : parts) sources.push_back(part.ptr());
+                   const std::vector<int64_t> offsets(g.world(), 0);
+                   shm::reduce_scatter(g, sources, sums.ptr(), sums.numel(), sums.numel(), offsets, reduction,
+                                       timeout);
+                   sums.write_back();
+                   if (!direct) out.copy_(sums.user.reshape(out.sizes()));
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
@@ -301,7 +338,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_tensor_coalesced(std::
     if (outputs.size() == 1 && inputs.size() == 1) return gloo_->_reduce_scatter_base(outputs[0], inputs[0], opts);
     return gloo_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }
-  const std::vector<Dense> ins = dense_all(inputs);
+  const std::vector<Dense> ins = dense_all(inputs, Order::kStorage);
   const std::vector<Dense> outs = dense_all(outputs);
   const c10d::ReduceOp op = opts.reduceOp;
   const auto timeout = op_timeout(opts.timeout);

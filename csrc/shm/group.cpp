@@ -36,6 +36,8 @@ constexpr auto kMinSpin = std::chrono::nanoseconds(2000);
 
 // A sleeping wait wakes at least this often to check the lagging ranks are alive and the deadline.
 constexpr auto kSleepSlice = std::chrono::milliseconds(20);
+// How long a rank waits for the message of a rank that began to abort the group (it takes microseconds).
+constexpr auto kAbortMessageWait = std::chrono::milliseconds(2000);
 
 inline void cpu_relax() {
 #if defined(__x86_64__)
@@ -153,27 +155,44 @@ void Group::leave() {
 bool Group::aborted() const { return header_.aborted.load(std::memory_order_acquire) != 0; }
 
 std::string Group::abort_message() const {
-  // The aborting rank writes the message between setting 1 and 2; it takes microseconds.
-  while (header_.aborted.load(std::memory_order_acquire) == 1) cpu_relax();
+  // The aborting rank writes the message between setting 1 and 2, in microseconds. One that died in between (or
+  // before it even wrote its rank) must not keep the others waiting: they look for a dead rank, and give up after a
+  // while, sleeping rather than spinning.
+  const auto give_up = Clock::now() + kAbortMessageWait;
+  while (header_.aborted.load(std::memory_order_acquire) == 1) {
+    const int by = header_.abort_by.load(std::memory_order_acquire);
+    for (int q = 0; q < world_; ++q) {
+      if (q == rank_ || (by >= 0 && q != by) || probe(segment_.rank(q)) != Liveness::kDead) continue;
+      return "rank " + std::to_string(q) + " (pid " + std::to_string(segment_.rank(q).pid) +
+             ") died while it was aborting the group, before it wrote why";
+    }
+    if (Clock::now() >= give_up) {
+      return "rank " + (by >= 0 ? std::to_string(by) : std::string("?")) +
+             " began to abort the group but did not write why within " + seconds(kAbortMessageWait) +
+             " (it may be stuck or dead)";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   return std::string(header_.abort_message, strnlen(header_.abort_message, sizeof(header_.abort_message)));
 }
 
 void Group::throw_aborted() const {
   std::string message = abort_message();
-  if (header_.abort_by != rank_) message += " [reported by rank " + std::to_string(header_.abort_by) + "]";
+  const int by = header_.abort_by.load(std::memory_order_acquire);
+  if (by >= 0 && by != rank_) message += " [reported by rank " + std::to_string(by) + "]";
   C10_THROW_ERROR(DistBackendError, "fastpar shm backend, rank " + std::to_string(rank_) + ": " + message);
 }
 
 void Group::abort(const std::string& message) {
   uint32_t expected = 0;
   if (header_.aborted.compare_exchange_strong(expected, 1)) {
+    header_.abort_by.store(rank_, std::memory_order_release);
     const std::string text = message +
                              ". This process group can no longer be used: destroy it and restart the ranks "
                              "(torchrun --max-restarts does this).";
     const size_t n = std::min(text.size(), sizeof(header_.abort_message) - 1);
     std::memcpy(header_.abort_message, text.data(), n);
     header_.abort_message[n] = '\0';
-    header_.abort_by = rank_;
     header_.aborted.store(2, std::memory_order_release);
     header_.doorbell.fetch_add(1);
     futex_wake_all(&header_.doorbell);

@@ -60,7 +60,7 @@ struct Header {
   alignas(64) std::atomic<uint32_t> doorbell{0};  // futex word: bumped when a counter moves and someone sleeps
   std::atomic<uint32_t> sleepers{0};
   alignas(64) std::atomic<uint32_t> aborted{0};  // 0 ok, 1 being written, 2 message ready
-  int32_t abort_by = -1;
+  std::atomic<int32_t> abort_by{-1};  // the aborting rank, written first after `aborted` becomes 1
   char abort_message[1024] = {};
 };
 

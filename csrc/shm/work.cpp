@@ -25,7 +25,7 @@ bool ShmWork::wait(std::chrono::milliseconds timeout) {
   return c10d::Work::wait(timeout);
 }
 
-void ShmWork::run(Group& group) {
+std::exception_ptr ShmWork::run_body(Group& group) {
   std::exception_ptr error;
   try {
     body_(group);
@@ -33,7 +33,7 @@ void ShmWork::run(Group& group) {
     error = std::current_exception();
   }
   body_ = nullptr;  // drop the captured tensors now, not when Python lets go of the Work
-  complete(error);
+  return error;
 }
 
 void ShmWork::complete(const std::exception_ptr& error) {
@@ -52,7 +52,7 @@ Executor::~Executor() { shutdown(); }
 void Executor::start() {
   std::promise<void> joined;
   auto ready = joined.get_future();
-  worker_ = std::thread([this, &joined] { worker_main(&joined); });
+  worker_ = std::thread([self = shared_from_this(), &joined] { self->worker_main(&joined); });
   ready.get();  // rethrows a failed join
 }
 
@@ -65,18 +65,33 @@ void Executor::worker_main(std::promise<void>* joined) {
     joined->set_exception(std::current_exception());
     return;
   }
-  std::unique_lock<std::mutex> lock(mutex_);
+  {
+    std::unique_lock<std::mutex> lock(mutex_);
+    serve(lock);
+  }
+  group_->leave();  // nothing is queued or running: the helpers only wait for the lock to exit
+}
+
+void Executor::serve(std::unique_lock<std::mutex>& lock) {
   while (true) {
     if (!running_ && !queue_.empty()) {
       run_head(lock);
-    } else if (stopping_ && !running_) {
-      break;
+    } else if (stopping_ && !running_ && queue_.empty()) {
+      return;
     } else {
+      ++idle_;
       changed_.wait(lock);
+      --idle_;
     }
   }
-  lock.unlock();
-  group_->leave();
+}
+
+void Executor::add_helper() {
+  helpers_.emplace_back([self = shared_from_this()] {
+    pthread_setname_np(pthread_self(), "fastpar-shm-cb");
+    std::unique_lock<std::mutex> lock(self->mutex_);
+    self->serve(lock);
+  });
 }
 
 void Executor::run_head(std::unique_lock<std::mutex>& lock) {
@@ -84,11 +99,18 @@ void Executor::run_head(std::unique_lock<std::mutex>& lock) {
   queue_.pop_front();
   running_ = true;
   lock.unlock();
-  work->run(*group_);  // never throws: errors complete the work
-  work.reset();
+  const std::exception_ptr error = work->run_body(*group_);
   lock.lock();
   running_ = false;
+  // The callbacks run next, on this thread, and may wait for a collective issued after this one: another thread
+  // must be free to run it, or that wait could only end at the timeout.
+  if (idle_ == 0 && !stopping_) add_helper();
   changed_.notify_all();
+  lock.unlock();
+  work->complete(error);
+  work.reset();
+  lock.lock();
+  changed_.notify_all();  // run_until_done() waits for the completion, not only for the queue
 }
 
 void Executor::submit(c10::intrusive_ptr<ShmWork> work) {
@@ -118,17 +140,21 @@ void Executor::run_until_done(ShmWork& work) {
 }
 
 void Executor::shutdown() {
+  std::vector<std::thread> threads;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (stopping_ && !worker_.joinable()) return;
     stopping_ = true;
     changed_.notify_all();
+    if (worker_.joinable()) threads.push_back(std::move(worker_));
+    for (auto& helper : helpers_) threads.push_back(std::move(helper));
+    helpers_.clear();
   }
-  if (!worker_.joinable()) return;
-  if (worker_.get_id() == std::this_thread::get_id()) {
-    worker_.detach();  // shut down from a future callback on the worker itself: it exits after this collective
-  } else {
-    worker_.join();
+  for (auto& thread : threads) {
+    if (thread.get_id() == std::this_thread::get_id()) {
+      thread.detach();  // shut down from a future callback on one of ours: it exits when the callback returns
+    } else {
+      thread.join();
+    }
   }
 }
 

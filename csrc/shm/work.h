@@ -2,6 +2,9 @@
 // future, as gloo's) queued on the group's Executor. A worker thread runs the queue in order, without the GIL, so
 // DDP's buckets reduce while backward goes on; a caller blocked in work.wait() runs queued collectives itself
 // instead of waiting for the worker to be scheduled (a synchronous all_reduce costs no thread hand-off).
+// A collective's future callbacks run after the queue is free again, and never on the only thread that could run
+// it: a callback may issue a collective and wait for it (torch's PowerSGD and quantization comm hooks do), so the
+// executor adds a thread whenever the one that completes a future leaves no other to serve the queue.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -35,7 +38,8 @@ class ShmWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
   std::vector<at::Tensor> result() override { return outputs_; }
 
-  void run(Group& group);  // the body, then completion (success or the body's exception)
+  std::exception_ptr run_body(Group& group);  // never throws: returns the body's error
+  // Marks the work done and completes its future, which runs the future's callbacks on this thread.
   void complete(const std::exception_ptr& error);
 
  private:
@@ -45,14 +49,15 @@ class ShmWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
-class Executor {
+class Executor : public std::enable_shared_from_this<Executor> {
  public:
   explicit Executor(std::unique_ptr<Group> group);
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
   ~Executor();
 
-  // Starts the worker thread; returns once it joined the group (holds this rank's liveness lock).
+  // Starts the worker thread; returns once it joined the group (holds this rank's liveness lock). The executor must
+  // be owned by a shared_ptr: its threads keep it alive until they have stopped.
   void start();
   void submit(c10::intrusive_ptr<ShmWork> work);
   // Runs queued collectives on the calling thread until `work` is completed (or the executor stops).
@@ -65,7 +70,9 @@ class Executor {
 
  private:
   void worker_main(std::promise<void>* joined);
+  void serve(std::unique_lock<std::mutex>& lock);  // runs the queue until stopped and drained
   void run_head(std::unique_lock<std::mutex>& lock);
+  void add_helper();  // with the lock held
 
   std::unique_ptr<Group> group_;
   std::mutex mutex_;
@@ -73,7 +80,9 @@ class Executor {
   std::deque<c10::intrusive_ptr<ShmWork>> queue_;
   bool running_ = false;  // some thread is running the head of the queue
   bool stopping_ = false;
-  std::thread worker_;
+  int idle_ = 0;  // threads in serve() waiting for work: free to run the queue
+  std::thread worker_;  // holds the liveness lock: lives as long as the membership
+  std::vector<std::thread> helpers_;  // serve the queue while other threads are inside future callbacks
 };
 
 }  // namespace fastpar::shm
