@@ -1,7 +1,7 @@
 """``fastpar bench simulate``: predict step time, exposed communication and scaling efficiency for N ranks.
 
 From a profile (``fastpar bench calibrate --profile FILE``, or ``published:NAME`` for a published
-measurement rebuilt from its own inputs, see ``fastpar.bench.published``) and a fabric: ``--preset``,
+measurement rebuilt from its own inputs, see ``published``) and a fabric: ``--preset``,
 ``--topology FILE`` (``fastpar topo --json`` output or saved ``nvidia-smi topo -m``), or by default the
 profile's own measured network (alpha/beta fitted to its all-reduce, a flat ring). Collective costs:
 ``fastpar.costmodel.collective_costs`` (ring and tree formulas with their sources); the step:
@@ -10,43 +10,30 @@ profile's own measured network (alpha/beta fitted to its all-reduce, a flat ring
 compute-only step / predicted step (weak scaling: the same batch per rank).
 
 Validation, in the same output: every step the profile measured (torch DDP on the calibrated ranks)
-against its prediction from the profile's own measurements, with the goal line (within +-15%); for a
+against its prediction from the profile's own measurements, with the declared goal (``validation``); for a
 published case, its published efficiencies against the prediction.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from ..costmodel.bucket_optimizer import plan_buckets, size_capped_buckets, torch_layout
-from ..costmodel.collective_costs import Fabric, algorithm_for, collective_seconds
-from ..costmodel.fabrics import PRESETS, fabric_from_topology, load_topology, preset, with_overrides
-from ..costmodel.perf_profile import REDUCERS, Profile
-from ..costmodel.step_simulator import simulate_step
-from .harness import BenchUsageError
+from ...costmodel.bucket_optimizer import plan_buckets, torch_layout
+from ...costmodel.collective_costs import Fabric, algorithm_for
+from ...costmodel.fabrics import PRESETS, fabric_from_topology, load_topology, preset, with_overrides
+from ...costmodel.perf_profile import REDUCERS, Profile
+from ...costmodel.step_simulator import simulate_step
+from ..context import BenchContext
+from ..harness import BenchUsageError
+from ..table import BenchReport, Column, PlotSpec
 from .published import CASES, PublishedCase, case
-from .table import BenchReport, Column, PlotSpec, goal_line
+from .validation import comm_on, step_goal, validate
 
 DESCRIPTION = "predict step time, exposed comm and scaling efficiency for 1..1024 GPUs from a profile + fabric"
 USES: set[str] = set()
 DEFAULTS: dict = {}
 DEFAULT_RANKS = ",".join(str(1 << k) for k in range(11))  # 1, 2, 4, ..., 1024
-GOAL_ERROR = 0.15  # issue 11: predicted step within +-15% of the measured one
-
-
-@dataclass
-class Check:
-    """One measured number against its prediction: a step time (seconds) or a scaling efficiency."""
-
-    name: str
-    measured: float
-    predicted: float
-    detail: str = ""
-
-    @property
-    def error(self) -> float:
-        return self.predicted / self.measured - 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,46 +62,6 @@ def load(spec: str) -> tuple[Profile, PublishedCase | None]:
         published = case(spec.split(":", 1)[1])
         return Profile("nccl", "cuda", 1, {}, timeline=published.timeline(), model={"name": published.title}), published
     return Profile.load(spec), None
-
-
-def comm_on(fabric: Fabric, ranks: int):
-    return lambda nbytes: collective_seconds("allreduce", nbytes, ranks, fabric)
-
-
-def validate(profile: Profile, published: PublishedCase | None = None) -> list[Check]:
-    """Each measurement the profile (or published case) carries, against the model's prediction of it."""
-    timeline = profile.timeline
-    checks = []
-    if published is not None:
-        for ranks, measured in published.efficiency.items():
-            grads = timeline.grads
-            buckets = size_capped_buckets(grads, published.caps_bytes, fit=published.fit) if published.caps_bytes \
-                else [[g.index] for g in grads]  # fmt: skip
-            fabric = published.fabric(ranks)
-            predicted = simulate_step(timeline, buckets, comm_on(fabric, ranks), published.costs)
-            checks.append(Check(f"efficiency, {ranks} GPUs", measured, predicted.efficiency(timeline.compute_s),
-                                f"{len(buckets)} collectives, exposed {predicted.exposed_s * 1e3:.1f} ms"))  # fmt: skip
-        return checks
-    for entry in profile.measured:
-        if entry.get("world_size") != profile.world_size or "step_s" not in entry:
-            continue
-        if entry["variant"] == "no_comm":
-            checks.append(Check("no_comm (compute only)", entry["step_s"], timeline.compute_s, "profile's timeline"))
-        elif entry["variant"] == "torch_ddp":
-            cap = entry["bucket_cap_mb"]
-            buckets = torch_layout(timeline, cap)
-            predicted = simulate_step(timeline, buckets, profile.comm(), profile.sync_costs("torch"))
-            checks.append(Check(f"torch_ddp cap {cap:g} MB", entry["step_s"], predicted.step_s,
-                                f"{len(buckets)} buckets, exposed {predicted.exposed_s * 1e3:.1f} ms"))  # fmt: skip
-    return checks
-
-
-def goal_lines(steps: list[Check]) -> tuple[list[str], bool, float]:
-    """The goal line for predicted DDP steps: every one within +-15% of its measurement."""
-    worst = max(abs(c.error) for c in steps)
-    listing = ", ".join(f"{c.name} {c.error:+.1%}" for c in steps)
-    return [goal_line(f"predicted step within +-{GOAL_ERROR:.0%} of measured", f"{listing}; worst {worst:.1%}",
-                      worst <= GOAL_ERROR)], worst <= GOAL_ERROR, worst  # fmt: skip
 
 
 def _fabric(args: argparse.Namespace, profile: Profile, published: PublishedCase | None) -> Fabric:
@@ -150,7 +97,8 @@ def _parse(args: argparse.Namespace) -> tuple[list[int], list[float | str]]:
     return ranks, caps
 
 
-def run(args: argparse.Namespace) -> BenchReport:
+def run(ctx: BenchContext) -> BenchReport:
+    args = ctx.flags
     ranks, caps = _parse(args)
     try:
         profile, published = load(args.profile)
@@ -218,10 +166,9 @@ def _report(args, profile, published, fabric, timeline, rows) -> BenchReport:
         footer.append(f"published: {published.source}")
         summary["published_errors"] = {c.name: c.error for c in checks}
     steps = [c for c in checks if c.name.startswith("torch_ddp")]
+    goals = [step_goal(steps)] if steps else []
     if steps:
-        lines, met, worst = goal_lines(steps)
-        footer += lines
-        summary.update(goal_met=met, worst_step_error=worst)
+        summary["worst_step_error"] = goals[0].value
     notes = []
     if (
         profile.device == "cpu"
@@ -260,6 +207,7 @@ def _report(args, profile, published, fabric, timeline, rows) -> BenchReport:
         rows=rows,
         header=header,
         footer=footer,
+        goals=goals,
         notes=notes,
         summary=summary,
         plot=PlotSpec("line", "ranks", "efficiency", series="cap", ylabel="scaling efficiency (compute / step)"),
