@@ -98,16 +98,16 @@ def _check(sweep_results: list[dict], sequential: list[dict]) -> None:
 def run(ctx: BenchContext) -> BenchReport:
     from ..host import usable_cpus
 
-    args = ctx.flags
-    slots = args.slots or len(usable_cpus())
+    flags = ctx.flags
+    slots = flags.slots or len(usable_cpus())
     if not 1 <= slots <= len(usable_cpus()):
         raise BenchUsageError(f"--slots must be between 1 and this process's {len(usable_cpus())} CPU(s), got {slots}")
-    if args.steps < 1 or args.width < 1:
+    if flags.steps < 1 or flags.width < 1:
         raise BenchUsageError("--steps and --width must be at least 1")
     if ctx.iters != 1 or "threads" in ctx.explicit:
         raise BenchUsageError("sweep times whole sweeps: -n must be 1 and --threads does not apply (slots set threads)")
     Plan(ctx.warmup, ctx.rounds, ctx.iters)
-    configs = [{"seed": i, "steps": args.steps, "width": args.width} for i in range(2 * slots)]
+    configs = [{"seed": i, "steps": flags.steps, "width": flags.width} for i in range(2 * slots)]
     root = Path(tempfile.mkdtemp(prefix="fastpar-bench-sweep-"))
     try:
         seconds = _measure(configs, slots, ctx, root)
@@ -135,7 +135,7 @@ def _measure(configs: list[dict], slots: int, ctx: BenchContext, root: Path) -> 
 
 
 def _report(ctx: BenchContext, slots: int, trials: int, seconds: dict[str, float]) -> BenchReport:
-    args = ctx.flags
+    flags = ctx.flags
     floor = seconds["sequential"]
     rows = [
         dict(variant="sequential", trials=2, slots=1, seconds=floor, vs_floor=1.0),
@@ -147,7 +147,7 @@ def _report(ctx: BenchContext, slots: int, trials: int, seconds: dict[str, float
     flag = beyond_floor("sweep", seconds["sweep"], floor, "sequential")
     return BenchReport(
         benchmark="sweep",
-        title=f"{trials} trials on {slots} one-core slot(s) vs 2 trials in a row ({args.steps} steps, width {args.width})",
+        title=f"{trials} trials on {slots} one-core slot(s) vs 2 trials in a row ({flags.steps} steps, width {flags.width})",
         columns=[
             Column("variant", "variant", 11),
             Column("trials", "trials", 7),

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from fastpar.bench import launch
-from fastpar.bench.benchmarks.collective_cases import NAMES, SPLIT, bus_factor, distinct_sizes, element_counts, make_case
+from fastpar.bench.benchmarks.collective_cases import (
+    NAMES,
+    SPLIT,
+    bus_factor,
+    distinct_sizes,
+    element_counts,
+    make_case,
+)
+from fastpar.bench.benchmarks.pack import parse_shapes
 from fastpar.bench.harness import (
     BenchUsageError,
     Plan,
@@ -19,7 +27,6 @@ from fastpar.bench.harness import (
     parse_dtype,
     size_sweep,
 )
-from fastpar.bench.benchmarks.pack import parse_shapes
 from fastpar.bench.table import SCHEMA, BenchReport, Column, render_table, write_json
 
 

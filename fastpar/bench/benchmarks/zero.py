@@ -185,7 +185,7 @@ def _report(ctx: BenchContext, settings: ZeroSettings, world_size: int, seconds:
         for goal, ours, theirs in STEP_GOALS:
             goals.append(goal.check(times[ours] / times[theirs], scope=model_name, flag=pair_flag(flags, ours, theirs)))
     # one state column: every rank's MiB (the JSON rows also carry state_mib, the largest)
-    per_rank_width = max([len("state MiB per rank"), *(len(r["per_rank"]) for r in rows)])
+    per_rank_width = 2 + max([len("state MiB per rank"), *(len(r["per_rank"]) for r in rows)])  # 2: a clear gap
     return BenchReport(
         benchmark="zero",
         title=f"ZeRO-1 optimizer state and step time, {world_size} ranks",

@@ -64,54 +64,54 @@ def load(spec: str) -> tuple[Profile, PublishedCase | None]:
     return Profile.load(spec), None
 
 
-def _fabric(args: argparse.Namespace, profile: Profile, published: PublishedCase | None) -> Fabric:
-    if args.preset:
-        fabric = preset(args.preset)
-    elif args.topology:
-        fabric = fabric_from_topology(load_topology(args.topology), inter_gbps=args.inter_gbps)
+def _fabric(flags: argparse.Namespace, profile: Profile, published: PublishedCase | None) -> Fabric:
+    if flags.preset:
+        fabric = preset(flags.preset)
+    elif flags.topology:
+        fabric = fabric_from_topology(load_topology(flags.topology), inter_gbps=flags.inter_gbps)
     elif published is not None:
         fabric = published.fabric(max(published.efficiency))
     else:
         fabric = profile.fitted_fabric()
     return with_overrides(
-        fabric, intra_gbs=args.intra_gbs, inter_gbps=args.inter_gbps, gpus_per_node=args.gpus_per_node
+        fabric, intra_gbs=flags.intra_gbs, inter_gbps=flags.inter_gbps, gpus_per_node=flags.gpus_per_node
     )
 
 
-def _parse(args: argparse.Namespace) -> tuple[list[int], list[float | str]]:
+def _parse(flags: argparse.Namespace) -> tuple[list[int], list[float | str]]:
     try:
-        ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+        ranks = [int(r) for r in flags.ranks.split(",") if r.strip()]
         caps: list[float | str] = [
-            c.strip() if c.strip() == "auto" else float(c) for c in args.caps.split(",") if c.strip()
+            c.strip() if c.strip() == "auto" else float(c) for c in flags.caps.split(",") if c.strip()
         ]
     except ValueError:
         raise BenchUsageError(
-            f"--ranks takes integers and --caps MB or auto; got {args.ranks!r}, {args.caps!r}"
+            f"--ranks takes integers and --caps MB or auto; got {flags.ranks!r}, {flags.caps!r}"
         ) from None
     if not ranks or min(ranks) < 1:
-        raise BenchUsageError(f"--ranks must be positive integers, got {args.ranks!r}")
+        raise BenchUsageError(f"--ranks must be positive integers, got {flags.ranks!r}")
     if not caps or any(c != "auto" and c <= 0 for c in caps):
-        raise BenchUsageError(f"--caps must be positive MB or auto, got {args.caps!r}")
-    if args.compute_scale <= 0:
-        raise BenchUsageError(f"--compute-scale must be positive, got {args.compute_scale}")
+        raise BenchUsageError(f"--caps must be positive MB or auto, got {flags.caps!r}")
+    if flags.compute_scale <= 0:
+        raise BenchUsageError(f"--compute-scale must be positive, got {flags.compute_scale}")
     return ranks, caps
 
 
 def run(ctx: BenchContext) -> BenchReport:
-    args = ctx.flags
-    ranks, caps = _parse(args)
+    flags = ctx.flags
+    ranks, caps = _parse(flags)
     try:
-        profile, published = load(args.profile)
-        fabric = _fabric(args, profile, published)
+        profile, published = load(flags.profile)
+        fabric = _fabric(flags, profile, published)
         if profile.timeline is None:
-            raise ValueError(f"{args.profile} has no gradient timeline; calibrate with a model")
-        timeline = profile.timeline.scaled(args.compute_scale)
+            raise ValueError(f"{flags.profile} has no gradient timeline; calibrate with a model")
+        timeline = profile.timeline.scaled(flags.compute_scale)
         # the profile's contention factors describe its own CPU ranks; a named GPU fabric gets none
-        own_network = not (args.preset or args.topology)
-        costs = published.costs if published else profile.sync_costs(args.reducer, contention=own_network)
+        own_network = not (flags.preset or flags.topology)
+        costs = published.costs if published else profile.sync_costs(flags.reducer, contention=own_network)
         # packing and unpacking run on the same device as the compute: they scale with it
-        costs = replace(costs, pack_s_per_byte=costs.pack_s_per_byte * args.compute_scale,
-                        unpack_s_per_byte=costs.unpack_s_per_byte * args.compute_scale)  # fmt: skip
+        costs = replace(costs, pack_s_per_byte=costs.pack_s_per_byte * flags.compute_scale,
+                        unpack_s_per_byte=costs.unpack_s_per_byte * flags.compute_scale)  # fmt: skip
         rows, skipped = [], [n for n in ranks if n > fabric.gpus_per_node and fabric.inter is None]
         for n in (n for n in ranks if n not in skipped):
             comm, nodes = comm_on(fabric, n), fabric.nodes(n)
@@ -134,7 +134,7 @@ def run(ctx: BenchContext) -> BenchReport:
             f"every --ranks value is above the {fabric.gpus_per_node} GPUs of one {fabric.name} node, and the fabric "
             "has no inter-node network: give --inter-gbps (Gb/s per node) or fewer ranks"
         )
-    report = _report(args, profile, published, fabric, timeline, rows)
+    report = _report(flags, profile, published, fabric, timeline, rows)
     if skipped:
         report.notes.append(
             f"ranks {','.join(map(str, skipped))} skipped: more than one node of {fabric.gpus_per_node} and no "
@@ -151,7 +151,7 @@ def _fabric_line(fabric: Fabric) -> str:
     return f"{fabric.gpus_per_node} per node, intra {intra}; inter {inter}; base {fabric.base_latency_us:g} us per call"
 
 
-def _report(args, profile, published, fabric, timeline, rows) -> BenchReport:
+def _report(flags, profile, published, fabric, timeline, rows) -> BenchReport:
     checks = validate(profile, published)
     footer = [f"fabric: {fabric.name}: {_fabric_line(fabric)}"]
     footer += [f"  source: {s}" for s in fabric.sources]
@@ -173,18 +173,18 @@ def _report(args, profile, published, fabric, timeline, rows) -> BenchReport:
     if (
         profile.device == "cpu"
         and fabric.intra.latency_us < 50
-        and args.compute_scale == 1.0
-        and (args.preset or args.topology)
+        and flags.compute_scale == 1.0
+        and (flags.preset or flags.topology)
     ):
         notes.append("compute times are this profile's CPU timings; for a GPU fabric calibrate on the GPUs or use "
                      "--compute-scale")  # fmt: skip
     header = {
-        "profile": args.profile,
+        "profile": flags.profile,
         "model": str(profile.model.get("name", "?")),
         "compute step (no communication)": f"{timeline.compute_s * 1e3:.2f} ms ({len(timeline.grads)} gradients)",
-        "reducer": "as published" if published else args.reducer,
+        "reducer": "as published" if published else flags.reducer,
         "contention": "none"
-        if published or args.preset or args.topology
+        if published or flags.preset or flags.topology
         else "compute x{:.2f}, wire x{:.2f} while both run (the profile's)".format(
             1 + profile.contention.get("compute_slowdown", 0.0), 1 + profile.contention.get("wire_slowdown", 0.0)
         ),
