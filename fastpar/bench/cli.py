@@ -145,9 +145,17 @@ def _context(name: str, module: ModuleType, parsed: argparse.Namespace, command:
     explicit = frozenset(key for key in [*shared, *_OUTPUT_FLAGS] if values.get(key) is not None)
     own = argparse.Namespace(**{k: v for k, v in values.items() if k not in shared and k not in _OUTPUT_FLAGS})
     resolved = {key: default if values.get(key) is None else values[key] for key, default in shared.items()}
-    ctx = BenchContext(benchmark=name, command=command, flags=own, explicit=explicit, **resolved,
-                       nproc=values.get("nproc"), json=values.get("json"), plot=values.get("plot"),
-                       load_before=load_average())  # fmt: skip
+    ctx = BenchContext(
+        benchmark=name,
+        command=command,
+        flags=own,
+        explicit=explicit,
+        **resolved,
+        nproc=values.get("nproc"),
+        json=values.get("json"),
+        plot=values.get("plot"),
+        load_before=load_average(),
+    )
     uses = module.USES
     if "sizes" in uses:
         ctx.sizes = size_sweep(parse_bytes(ctx.min_bytes), parse_bytes(ctx.max_bytes), ctx.factor)

@@ -65,21 +65,43 @@ def test_a_flagged_result_is_impossible_and_never_met():
     fine = SHARE.check(0.9)
     assert summary([verdict, fine]) == {
         "goals": [
-            {"name": "mlp: fastpar_fp32 step <= 0.92x ddp", "value": 0.5, "threshold": 0.92, "direction": "at_most",
-             "unit": "x", "met": False, "flagged": True, "flag": verdict.flag},
-            {"name": "fastpar pack >= 85% of memcpy", "value": 0.9, "threshold": 0.85, "direction": "at_least",
-             "unit": "%", "met": True, "flagged": False, "flag": None},
+            {
+                "name": "mlp: fastpar_fp32 step <= 0.92x ddp",
+                "value": 0.5,
+                "threshold": 0.92,
+                "direction": "at_most",
+                "unit": "x",
+                "met": False,
+                "flagged": True,
+                "flag": verdict.flag,
+            },
+            {
+                "name": "fastpar pack >= 85% of memcpy",
+                "value": 0.9,
+                "threshold": 0.85,
+                "direction": "at_least",
+                "unit": "%",
+                "met": True,
+                "flagged": False,
+                "flag": None,
+            },
         ],
         "goals_met": False,
-    }  # fmt: skip
+    }
     assert summary([fine])["goals_met"] is True and summary([])["goals_met"] is None
 
 
 def test_ddp_step_faster_than_no_communication_is_flagged():
     from fastpar.bench.benchmarks.ddp_step import step_goals
 
-    seconds = {"no_comm": 1.0, "ddp": 1.5, "ddp_bucket_view": 1.4, "fastpar_fp32": 0.95, "fastpar_cap_4": 1.2,
-               "fastpar_auto": 1.1}  # fmt: skip
+    seconds = {
+        "no_comm": 1.0,
+        "ddp": 1.5,
+        "ddp_bucket_view": 1.4,
+        "fastpar_fp32": 0.95,
+        "fastpar_cap_4": 1.2,
+        "fastpar_auto": 1.1,
+    }
     fp32, auto = step_goals("mlp", seconds)
     assert fp32.goal.passes(fp32.value) and fp32.state == "IMPOSSIBLE" and "faster than the floor" in fp32.flag
     assert auto.state == "MET" and not auto.flagged  # both above the floor: a real comparison
@@ -90,9 +112,14 @@ def _pack_report(shares: dict[str, float]):
     from fastpar.bench.benchmarks import pack
 
     _, ctx = prepare("pack", ["--shapes", "3x1K", "-n", "1", "-w", "0", "--rounds", "1"])
-    seconds = {("pack", "memcpy"): 1.0, ("pack", "torch.cat"): 1.0, ("unpack", "memcpy"): 1.0,
-               ("unpack", "_foreach_copy_"): 1.0, ("pack", "fastpar.pack"): 1 / shares["pack"],
-               ("unpack", "fastpar.unpack"): 1 / shares["unpack"]}  # fmt: skip
+    seconds = {
+        ("pack", "memcpy"): 1.0,
+        ("pack", "torch.cat"): 1.0,
+        ("unpack", "memcpy"): 1.0,
+        ("unpack", "_foreach_copy_"): 1.0,
+        ("pack", "fastpar.pack"): 1 / shares["pack"],
+        ("unpack", "fastpar.unpack"): 1 / shares["unpack"],
+    }
     return pack._report(ctx, *(2 * [pack.DTYPE_CHOICES[0]]), [((3, 1024), seconds)], "cpu", [])
 
 
@@ -158,8 +185,15 @@ def test_zero_table_has_one_state_column_and_fixed_width_lines():
     _, ctx = prepare("zero", ["--models", "tiny"])
     ctx.backend = "gloo"
     times = dict(zip(zero.VARIANTS, (1.0, 1.5, 1.5, 1.9, 1.6), strict=True))
-    state = {"no_comm": [8000, 8000], "ddp": [8000, 8000], "ddp_fastpar": [8000, 8000], "zero_torch": [4000, 4000],
-             "zero_fastpar": [4100, 3900], "_bucket": 100, "_numel": 1000}  # fmt: skip
+    state = {
+        "no_comm": [8000, 8000],
+        "ddp": [8000, 8000],
+        "ddp_fastpar": [8000, 8000],
+        "zero_torch": [4000, 4000],
+        "zero_fastpar": [4100, 3900],
+        "_bucket": 100,
+        "_numel": 1000,
+    }
     report = zero._report(ctx, zero.ZeroSettings(["tiny"], 8), 2, {"tiny": times}, {"tiny": state})
     table = [line for line in render_table(report).splitlines() if not line.startswith("#")]
     titles = re.split(r"\s{2,}", table[0].strip())
@@ -205,8 +239,13 @@ def test_benchmark_only_without_pytest_benchmark_is_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:benchmark", "-p", "no:cacheprovider", "bench", "--benchmark-only"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     output = (done.stdout + done.stderr).strip()
     assert output == "Exit: the bench/ entry points need pytest-benchmark: pip install 'fastpar[bench]'"
     assert done.returncode == pytest.ExitCode.USAGE_ERROR

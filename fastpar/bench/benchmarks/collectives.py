@@ -40,22 +40,12 @@ from ..harness import (
     synchronize,
 )
 from ..table import BenchReport, Column, PlotSpec
-from .collective_cases import (
-    NAMES,
-    OPS,
-    CollectiveCase,
-    bus_factor,
-    case_call,
-    check_and_time,
-    distinct_sizes,
-    make_case,
-)
+from .collective_cases import OPS, bus_factor, distinct_sizes, make_case
 
 DESCRIPTION = "torch.distributed collectives, nccl-tests style: time, algbw, busbw, #wrong per size"
 USES = {"sizes", "nproc", "dtype"}
 DEFAULTS = {"min_bytes": "1K", "max_bytes": "16M", "factor": 4, "iters": 10, "warmup": 3, "rounds": 3}
 DTYPE_CHOICES = tuple(dict.fromkeys(DTYPES.values()))  # every --dtype: the check values are exact in each
-__all__ = ["NAMES", "CollectiveCase", "bus_factor", "case_call", "check_and_time", "make_case", "run"]
 
 
 def describe(name: str) -> str:

@@ -231,29 +231,33 @@ def step_goals(model_name: str, seconds: dict[str, float]) -> list[Verdict]:
     """The declared goals checked for one model's step times (seconds per variant)."""
     flags = floor_flags(model_name, seconds)
     goals = []
+
+    def check(goal: Goal, ours: str, theirs: str, named: bool = False) -> None:
+        reference = f"{goal.reference} ({theirs})" if named else None  # name the variant that turned out best
+        ratio = seconds[ours] / seconds[theirs]
+        goals.append(goal.check(ratio, scope=model_name, reference=reference, flag=pair_flag(flags, ours, theirs)))
+
     fp32_torch = {v: t for v, t in seconds.items() if v.startswith("ddp") and v not in (*LOW_PRECISION, PEER_VARIANT)}
     if "fastpar_fp32" in seconds:
-        best = min(fp32_torch, key=fp32_torch.get)
-        goals.append(FP32_VS_BEST_TORCH.check(
-            seconds["fastpar_fp32"] / fp32_torch[best], scope=model_name,
-            reference=f"{FP32_VS_BEST_TORCH.reference} ({best})", flag=pair_flag(flags, "fastpar_fp32", best)))  # fmt: skip
+        check(FP32_VS_BEST_TORCH, "fastpar_fp32", min(fp32_torch, key=fp32_torch.get), named=True)
     if "fastpar_bf16" in seconds and "ddp_fp16_hook" in seconds:
-        goals.append(BF16_VS_FP16_HOOK.check(seconds["fastpar_bf16"] / seconds["ddp_fp16_hook"], scope=model_name,
-                                             flag=pair_flag(flags, "fastpar_bf16", "ddp_fp16_hook")))  # fmt: skip
+        check(BF16_VS_FP16_HOOK, "fastpar_bf16", "ddp_fp16_hook")
     if "fastpar_fp32" in seconds and PEER_VARIANT in seconds:
-        goals.append(FP32_VS_GLOO.check(seconds["fastpar_fp32"] / seconds[PEER_VARIANT], scope=model_name,
-                                        flag=pair_flag(flags, "fastpar_fp32", PEER_VARIANT)))  # fmt: skip
+        check(FP32_VS_GLOO, "fastpar_fp32", PEER_VARIANT)
     fixed = {v: seconds[v] for v in FIXED_CAPS if v in seconds}
     if "fastpar_auto" in seconds and fixed:
-        best = min(fixed, key=fixed.get)
-        goals.append(AUTO_VS_BEST_CAP.check(
-            seconds["fastpar_auto"] / fixed[best], scope=model_name,
-            reference=f"{AUTO_VS_BEST_CAP.reference} ({best})", flag=pair_flag(flags, "fastpar_auto", best)))  # fmt: skip
+        check(AUTO_VS_BEST_CAP, "fastpar_auto", min(fixed, key=fixed.get), named=True)
     return goals
 
 
-def _report(ctx: BenchContext, settings: DdpSettings, world_size: int, results: dict[str, dict[str, float]],
-            fastpar_caps: dict[str, float], auto_notes: list[str]) -> BenchReport:  # fmt: skip
+def _report(
+    ctx: BenchContext,
+    settings: DdpSettings,
+    world_size: int,
+    results: dict[str, dict[str, float]],
+    fastpar_caps: dict[str, float],
+    auto_notes: list[str],
+) -> BenchReport:
     rows, footer, goals = [], [], []
     for model_name, seconds in results.items():
         floor, peer = seconds["no_comm"], seconds["ddp"]

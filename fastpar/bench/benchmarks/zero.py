@@ -163,8 +163,10 @@ def _state_goal(model_name: str, mem: dict, world_size: int) -> Verdict:
     bucket = mem["_bucket"] * per_element
     limit = unsharded / world_size + bucket
     worst = max(mem["zero_fastpar"])
-    detail = (f"{worst / 2**20:.2f} MiB on the largest rank, limit {unsharded / 2**20:.2f}/{world_size} + "
-              f"{bucket / 2**20:.2f} MiB; {worst / unsharded:.3f}x unsharded")  # fmt: skip
+    detail = (
+        f"{worst / 2**20:.2f} MiB on the largest rank, limit {unsharded / 2**20:.2f}/{world_size} + "
+        f"{bucket / 2**20:.2f} MiB; {worst / unsharded:.3f}x unsharded"
+    )
     return STATE_PER_RANK.check(worst / limit, scope=model_name, detail=detail)
 
 
