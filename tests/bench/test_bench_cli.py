@@ -22,6 +22,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def _not_under_torchrun(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
 
 
 def test_allreduce_two_ranks_writes_json_and_png(tmp_path, capsys):
@@ -80,7 +81,10 @@ def test_fusion_two_ranks_reports_share_of_single(tmp_path, capsys):
     ]
     shares = data["summary"]["share_of_single"]
     assert shares["single"] == pytest.approx(1.0) and all(s > 0 for s in shares.values())
-    assert "goal: fastpar_bucketed" in capsys.readouterr().out
+    assert "goal: fastpar_bucketed >= 90% of single:" in capsys.readouterr().out
+    (goal,) = data["summary"]["goals"]
+    assert goal["name"] == "fastpar_bucketed >= 90% of single" and goal["direction"] == "at_least"
+    assert goal["value"] == pytest.approx(shares["fastpar_bucketed"]) and goal["threshold"] == 0.9
     assert out_png.read_bytes()[:8] == PNG_MAGIC
 
 
@@ -99,9 +103,9 @@ def test_pack_prints_memcpy_and_peers(tmp_path, capsys):
     assert all(r["of_memcpy"] == pytest.approx(1.0) for r in rows if r["impl"] == "memcpy")
 
 
-def _corrupting_rank_main(rank, world_size, args):
+def _corrupting_rank_main(rank, world_size, ctx):
     """The allreduce benchmark with a collective that gets one element wrong on rank 1."""
-    from fastpar.bench import collectives
+    from fastpar.bench.benchmarks import collectives
 
     real_make_case = collectives.make_case
 
@@ -118,7 +122,7 @@ def _corrupting_rank_main(rank, world_size, args):
         return case
 
     collectives.make_case = corrupted_case
-    return collectives._rank_main(rank, world_size, args)
+    return collectives._rank_main(rank, world_size, ctx)
 
 
 def test_wrong_collective_result_raises_on_every_rank_before_any_timing():
@@ -126,10 +130,10 @@ def test_wrong_collective_result_raises_on_every_rank_before_any_timing():
     from fastpar.bench.cli import prepare
     from fastpar.bench.harness import WrongResultError
 
-    _, args = prepare("allreduce", ["--nproc", "2", "-b", "1K", "-e", "2K", "-n", "1", "-w", "0", "--rounds", "1"])
-    args.backend = "gloo"
+    _, ctx = prepare("allreduce", ["--nproc", "2", "-b", "1K", "-e", "2K", "-n", "1", "-w", "0", "--rounds", "1"])
+    ctx.backend = "gloo"
     with pytest.raises(WrongResultError, match=r"allreduce on 2 ranks gave wrong results at: 1K \(1 wrong"):
-        launch.run_ranks(_corrupting_rank_main, args, launch.World(2, "gloo", False))
+        launch.run_ranks(_corrupting_rank_main, launch.World(2, "gloo", False), ctx)
 
 
 def test_wrong_pack_result_exits_nonzero_without_a_speed(monkeypatch, capsys):
@@ -231,6 +235,7 @@ def test_one_process_benchmark_takes_nproc_1_and_runs_on_rank_0_only_under_torch
     assert "fastpar.pack" in capsys.readouterr().out
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
     assert main(argv) == 0  # torchrun's rank 1: nothing to do, nothing printed
     assert capsys.readouterr() == ("", "")
 
@@ -269,7 +274,7 @@ def test_all_passes_shared_flags_on_and_keeps_going_past_a_failure(tmp_path, cap
 
 
 def test_ddp_variants_skip_only_what_torch_lacks():
-    from fastpar.bench.ddp_step import VARIANTS, available_variants, build_model
+    from fastpar.bench.benchmarks.ddp_step import VARIANTS, available_variants, build_model
 
     names, notes = available_variants()
     assert names[:2] == ["no_comm", "ddp"] and set(names) <= set(VARIANTS)
@@ -279,27 +284,24 @@ def test_ddp_variants_skip_only_what_torch_lacks():
     assert mlp(torch.zeros(2, 1024)).shape == (2, 1024)
 
 
-def test_ddp_goal_lines_compare_with_the_best_fp32_torch_variant_and_the_best_fixed_cap():
-    from fastpar.bench.ddp_step import _goal_lines
+def test_ddp_goals_compare_with_the_best_fp32_torch_variant_and_the_best_fixed_cap():
+    from fastpar.bench.benchmarks.ddp_step import step_goals
 
-    seconds = {"no_comm": 1.0, "ddp": 2.0, "ddp_bucket_view": 1.8, "ddp_fp16_hook": 1.0, "fastpar_fp32": 1.62,
+    seconds = {"no_comm": 0.5, "ddp": 2.0, "ddp_bucket_view": 1.8, "ddp_fp16_hook": 1.0, "fastpar_fp32": 1.62,
                "fastpar_bf16": 0.86, "fastpar_cap_1": 1.7, "fastpar_cap_4": 1.6, "fastpar_cap_25": 1.9,
                "fastpar_auto": 1.61}  # fmt: skip
-    lines, met = _goal_lines("m", seconds)
+    goals = step_goals("m", seconds)
+    lines = [g.line() for g in goals]
     # the fp16 hook is not an fp32 variant: the best fp32 torch variant is ddp_bucket_view (1.62 / 1.8 = 0.90)
-    assert "goal m: fastpar_fp32 <= 0.92x the best fp32 torch variant (ddp_bucket_view): 0.90x -> MET" in lines
-    assert "goal m: fastpar_bf16 <= 0.85x ddp_fp16_hook: 0.86x -> NOT MET" in lines
-    assert "goal m: fastpar_auto <= 1.00x the best fixed cap (fastpar_cap_4): 1.01x -> NOT MET" in lines
-    assert met == {
-        "m: fastpar_fp32 / the best fp32 torch variant (ddp_bucket_view)": True,
-        "m: fastpar_bf16 / ddp_fp16_hook": False,
-        "m: fastpar_auto / the best fixed cap (fastpar_cap_4)": False,
-    }
+    assert "goal: m: fastpar_fp32 step <= 0.92x the best fp32 torch variant (ddp_bucket_view): 0.90x -> MET" in lines
+    assert "goal: m: fastpar_bf16 step <= 0.85x ddp_fp16_hook: 0.86x -> NOT MET" in lines
+    assert "goal: m: fastpar_auto step <= 1.00x the best fixed cap (fastpar_cap_4): 1.01x -> NOT MET" in lines
+    assert [(g.met, g.flagged) for g in goals] == [(True, False), (False, False), (False, False)]
 
 
 def test_ddp_auto_variant_settles_before_timing(capsys):
     argv = ["ddp", "--nproc", "2", "--models", "blocks", "--variants", "fastpar_auto,fastpar_cap_4,fastpar_cap_25"]
     assert main([*argv, "--batch", "8", "-n", "1", "-w", "0", "--rounds", "1"]) == 0
     out = capsys.readouterr().out
-    assert "goal blocks: fastpar_auto <= 1.00x the best fixed cap" in out
+    assert "goal: blocks: fastpar_auto step <= 1.00x the best fixed cap" in out
     assert "auto: blocks fastpar_auto: chose " in out and "kept " in out

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from fastpar.bench import launch
-from fastpar.bench.collective_cases import NAMES, SPLIT, bus_factor, distinct_sizes, element_counts, make_case
+from fastpar.bench.benchmarks.collective_cases import (
+    NAMES,
+    SPLIT,
+    bus_factor,
+    distinct_sizes,
+    element_counts,
+    make_case,
+)
+from fastpar.bench.benchmarks.pack import parse_shapes
 from fastpar.bench.harness import (
     BenchUsageError,
     Plan,
@@ -19,7 +27,6 @@ from fastpar.bench.harness import (
     parse_dtype,
     size_sweep,
 )
-from fastpar.bench.pack import parse_shapes
 from fastpar.bench.table import SCHEMA, BenchReport, Column, render_table, write_json
 
 
@@ -225,6 +232,7 @@ def test_json_schema(tmp_path):
         "rows",
         "summary",
         "footer",
+        "warnings",
         "notes",
         "config",
     }
@@ -232,6 +240,7 @@ def test_json_schema(tmp_path):
     assert data["rows"][0] == {"name": "x", "t": 12.345, "r": 0.5}
     assert data["rows"][1] == {"name": "yy", "t": None, "r": None, "extra": 3}  # inf is not JSON
     assert data["summary"]["by_shape"] == {"a": None, "b": [None, 2.0]}  # nor is nan, however deep
+    assert data["summary"]["goals"] == [] and data["summary"]["goals_met"] is None  # no goal checked
 
 
 def test_resolve_world_errors(monkeypatch):
@@ -252,6 +261,7 @@ def test_resolve_world_errors(monkeypatch):
             launch.resolve_world(torch.cuda.device_count() + 1, "auto")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
     with pytest.raises(BenchUsageError, match="WORLD_SIZE=4"):
         launch.resolve_world(2, "gloo")
     assert launch.resolve_world(None, "gloo") == launch.World(4, "gloo", True)

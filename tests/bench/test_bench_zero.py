@@ -14,6 +14,7 @@ from fastpar.bench.cli import main
 def _not_under_torchrun(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
 
 
 def test_zero_benchmark_reports_state_per_rank_and_goals(tmp_path, capsys):
@@ -21,7 +22,7 @@ def test_zero_benchmark_reports_state_per_rank_and_goals(tmp_path, capsys):
     argv = ["zero", "--models", "tiny", "--nproc", "2", "-n", "1", "-w", "1", "--rounds", "1", "--json", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
-    assert "optimizer state per rank <= 1/2 of unsharded + one bucket" in printed
+    assert "goal: tiny: zero_fastpar optimizer state per rank <= 1.00x (1/N of unsharded + one bucket)" in printed
     assert "zero_fastpar step <= 1.05x ddp_fastpar" in printed and "zero_fastpar step <= 0.90x zero_torch" in printed
     data = json.loads(out.read_text())
     assert [r["variant"] for r in data["rows"]] == ["no_comm", "ddp", "ddp_fastpar", "zero_torch", "zero_fastpar"]
@@ -32,7 +33,10 @@ def test_zero_benchmark_reports_state_per_rank_and_goals(tmp_path, capsys):
     # 4 x Linear(64, 64): 16,640 parameters, AdamW's two fp32 moments + a step per tensor
     assert unsharded[0] == 16_640 * 8 + 8 * 4
     assert all(s < unsharded[0] / 2 + 1024 for s in sharded)  # half, plus padding and one step per bucket
-    assert data["summary"]["goals_met"]["tiny: zero_fastpar state <= 1/N unsharded + one bucket"] is True
+    goals = {g["name"]: g for g in data["summary"]["goals"]}
+    state = goals["tiny: zero_fastpar optimizer state per rank <= 1.00x (1/N of unsharded + one bucket)"]
+    assert state["met"] is True and state["value"] <= 1.0 and state["flagged"] is False
+    assert len(goals) == 3 and data["summary"]["goals_met"] == all(g["met"] for g in goals.values())
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from fastpar.bench.cli import main
 def _not_under_torchrun(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
 
 
 def test_allreduce_on_fastpar_prints_gloo_alongside_and_the_goals(tmp_path, capsys):
@@ -23,7 +24,7 @@ def test_allreduce_on_fastpar_prints_gloo_alongside_and_the_goals(tmp_path, caps
     printed = capsys.readouterr().out
     assert "backend: fastpar" in printed and "gloo(us)" in printed and "x gloo" in printed
     assert "memcpy on all 2 ranks at once" in printed and "busbw <=" in printed
-    assert "goal 4K all-reduce time <= 0.5x gloo's" in printed
+    assert "goal: 4K: all-reduce time <= 0.50x gloo's" in printed
     rows = json.loads(out_json.read_text())["rows"]
     assert [r["size"] for r in rows] == [4096, 16384]
     assert all(r["wrong"] == 0 and r["gloo_us"] > 0 and r["x_gloo"] > 0 for r in rows)
@@ -40,4 +41,4 @@ def test_ddp_step_on_fastpar_times_stock_ddp_on_gloo(capsys):
     argv = ["ddp", "--backend", "fastpar", "--models", "blocks", "--variants", "fastpar_fp32", "--batch", "8"]
     assert main([*argv, "-n", "1", "-w", "0", "--rounds", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "ddp_gloo" in printed and "goal blocks: fastpar_fp32 <= 0.80x ddp_gloo" in printed
+    assert "ddp_gloo" in printed and "goal: blocks: fastpar_fp32 step <= 0.80x ddp_gloo" in printed

@@ -9,8 +9,9 @@ import pytest
 from test_cost_model import NVSWITCH_SMI
 
 from fastpar.bench.cli import main
-from fastpar.bench.published import CASES, timeline_from_layers, vgg16_layers
-from fastpar.bench.simulate import load, validate
+from fastpar.bench.costmodel_cmds.published import CASES, timeline_from_layers, vgg16_layers
+from fastpar.bench.costmodel_cmds.simulate import load
+from fastpar.bench.costmodel_cmds.validation import validate
 from fastpar.costmodel.perf_profile import Profile
 
 
@@ -42,7 +43,10 @@ def test_calibrate_writes_a_complete_profile(calibrated, capsys):
     assert [m["variant"] for m in profile.measured] == ["no_comm", "torch_ddp", "torch_ddp"]
     report = json.loads((calibrated / "calibrate.json").read_text())
     assert report["benchmark"] == "calibrate"
-    assert any(line.startswith("goal: predicted step within +-15%") for line in report["footer"])
+    (goal,) = report["summary"]["goals"]
+    assert goal["name"] == "predicted step error <= 15% of measured" and goal["threshold"] == 0.15
+    assert goal["met"] == (goal["value"] <= 0.15) and goal["flagged"] is False
+    assert report["summary"]["goals_met"] == goal["met"]
     assert {row["kind"] for row in report["rows"]} >= {"allreduce", "move", "compute", "contention", "step"}
 
 
@@ -53,7 +57,7 @@ def test_simulate_from_the_profile(calibrated, capsys):
             "--json", str(out), "--plot", str(plot)]  # fmt: skip
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "validation torch_ddp cap 0.25 MB" in text and "goal: predicted step within +-15%" in text
+    assert "validation torch_ddp cap 0.25 MB" in text and "goal: predicted step error <= 15% of measured" in text
     report = json.loads(out.read_text())
     rows = report["rows"]
     assert [(r["ranks"], r["cap"]) for r in rows] == [(1, "1 MB"), (1, "auto"), (2, "1 MB"), (2, "auto"),

@@ -322,9 +322,9 @@ def test_readme_examples_run_as_written(tmp_path):
 
 
 def test_bench_sweep_refuses_bad_flags(capsys):
-    from fastpar.bench.cli import main as bench_main
+    from fastpar.cli import main
 
-    assert bench_main(["sweep", "--slots", "999"]) == 2
+    assert main(["bench", "sweep", "--slots", "999"]) == 2
     assert "--slots must be between 1 and" in capsys.readouterr().err
-    assert bench_main(["sweep", "-n", "3"]) == 2
+    assert main(["bench", "sweep", "-n", "3"]) == 2
     assert "-n must be 1" in capsys.readouterr().err

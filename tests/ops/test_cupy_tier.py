@@ -279,7 +279,7 @@ def test_ddp_uses_the_live_tier_with_identical_results():
 
 
 def test_pack_benchmark_lists_each_tier(monkeypatch, tmp_path, capsys):
-    from fastpar.bench import pack
+    from fastpar.bench.benchmarks import pack
     from fastpar.bench.cli import main
 
     monkeypatch.setattr(pack, "kernel_tiers", lambda device: ({"cupy": emulated_tier()[0]}, ["compiled: none"]))

@@ -20,8 +20,9 @@ LayerNorm(256) + GELU) on (64, 256). Variants, interleaved in rounds on the same
 Before timing, every variant takes one step on the same batch on every rank; its parameters must then
 equal stock DDP's: bit for bit in fp32, within a tolerance for the fp16/bf16 reductions.
 
-Goals (issue 11): fastpar_fp32 <= 0.92x the best fp32 torch variant; fastpar_bf16 <= 0.85x ddp_fp16_hook;
-fastpar_auto <= the best of fastpar_cap_1/4/25.
+Goals (declared below): fastpar_fp32 <= 0.92x the best fp32 torch variant; fastpar_bf16 <= 0.85x
+ddp_fp16_hook; fastpar_auto <= the best of fastpar_cap_1/4/25; on the fastpar backend fastpar_fp32 <=
+0.80x ddp_gloo. A variant faster than no_comm is flagged, and a goal that compares it is IMPOSSIBLE.
 """
 
 from __future__ import annotations
@@ -30,18 +31,31 @@ import argparse
 import importlib
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from . import launch
-from .harness import BenchUsageError, Plan, WrongResultError, count_mismatches
-from .table import BenchReport, Column, PlotSpec
+from .. import launch
+from ..context import BenchContext
+from ..goals import AT_MOST, Goal, Verdict
+from ..harness import BenchUsageError
+from ..table import BenchReport, PlotSpec
+from .training_step import MODELS as ALL_MODELS
+from .training_step import (
+    build_model,
+    check_one_step,
+    floor_flags,
+    pair_flag,
+    parse_models,
+    step_columns,
+    step_header,
+)
 
 DESCRIPTION = "DDP step time: fastpar vs torch DDP variants vs a no-communication step"
 USES = {"nproc"}
 DEFAULTS = {"iters": 2, "warmup": 1, "rounds": 5}
-MODELS = {"mlp": (1024, 16), "blocks": (256, 96)}  # name -> (width, depth)
+MODELS = {name: ALL_MODELS[name] for name in ("mlp", "blocks")}
 VARIANTS = (
     "no_comm",
     "ddp",
@@ -59,22 +73,22 @@ VARIANTS = (
 LOW_PRECISION = ("ddp_fp16_hook", "fastpar_bf16")
 PEER_VARIANT = "ddp_gloo"  # --backend fastpar only
 FIXED_CAPS = ("fastpar_cap_1", "fastpar_cap_4", "fastpar_cap_25")
-GOAL_FP32_VS_BEST_TORCH = 0.92  # issue 11: fastpar fp32 <= 0.92x the best fp32 torch variant
-GOAL_BF16_VS_FP16_HOOK = 0.85
 AUTO_SETTLE_MAX_STEPS = 60
-GOAL_VS_GLOO = 0.80  # issue 17: on the fastpar backend, fastpar fp32 <= 0.80x stock DDP on gloo
+FP32_VS_BEST_TORCH = Goal("fastpar_fp32 step", "the best fp32 torch variant", 0.92, AT_MOST)
+BF16_VS_FP16_HOOK = Goal("fastpar_bf16 step", "ddp_fp16_hook", 0.85, AT_MOST)
+FP32_VS_GLOO = Goal("fastpar_fp32 step", PEER_VARIANT, 0.80, AT_MOST)  # on the fastpar backend
+AUTO_VS_BEST_CAP = Goal("fastpar_auto step", "the best fixed cap", 1.0, AT_MOST)
 
 
-def build_model(name: str, seed: int = 0) -> nn.Module:
-    width, depth = MODELS[name]
-    torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers.append(nn.Linear(width, width))
-        if name == "blocks":
-            layers.append(nn.LayerNorm(width))
-        layers.append(nn.GELU())
-    return nn.Sequential(*layers)
+@dataclass(frozen=True)
+class DdpSettings:
+    """What ``run`` derived from the ddp flags, for every rank."""
+
+    models: list[str]
+    variants: list[str]
+    skip_notes: list[str]
+    batch: int
+    lr: float
 
 
 def available_variants() -> tuple[list[str], list[str]]:
@@ -117,7 +131,7 @@ def wrap(variant: str, model: nn.Module, peer_group=None) -> nn.Module:
         wrapped = TorchDDP(model, device_ids=device_ids)
         wrapped.register_comm_hook(None, fp16_compress_hook)
         return wrapped
-    from ..ddp import DistributedDataParallel as FastparDDP
+    from ...ddp import DistributedDataParallel as FastparDDP
 
     if variant == "fastpar_fp32":
         return FastparDDP(model, device_ids=device_ids)
@@ -134,7 +148,7 @@ def fastpar_cap_mb(model: nn.Module) -> float:
     """The bucket cap (MB) fastpar's DDP picks for ``model`` on this process group when given none."""
     import torch.distributed as dist
 
-    from ..ddp.buckets import default_caps
+    from ...ddp.buckets import default_caps
 
     params = [p for p in model.parameters() if p.requires_grad]
     return default_caps(params, dist.get_world_size())[-1] / 2**20
@@ -173,54 +187,6 @@ def step_call(rank: int, world_size: int, variant: str, model_name: str, batch: 
     return lambda: trainee.step(x)
 
 
-def step_columns(variant_width: int) -> list[Column]:
-    """The first columns of a training-step table (``ddp``, ``zero``)."""
-    return [
-        Column("model", "model", 7),
-        Column("variant", "variant", variant_width),
-        Column("step_ms", "step(ms)", 10, ".2f", "ms"),
-        Column("x_floor", "x no_comm", 10, ".2f", "x"),
-        Column("x_ddp", "x ddp", 8, ".2f", "x"),
-    ]
-
-
-def step_header(args: argparse.Namespace, world_size: int, **extra: str) -> dict[str, str]:
-    """The header lines of a training-step benchmark, ``extra`` before the timing line."""
-    return {
-        "backend": args.backend,
-        "world size": str(world_size),
-        "threads per rank": str(args.threads),
-        "batch": str(args.batch),
-        **extra,
-        "timing": f"median of {args.rounds} interleaved rounds x {args.iters} steps after {args.warmup} warm-up",
-    }
-
-
-def check_models_and_batch(args: argparse.Namespace, models) -> None:
-    """``args.model_list`` from ``--models`` (names in ``models``); refuse unknown names and ``--batch`` < 1."""
-    args.model_list = [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = sorted(set(args.model_list) - set(models)) or (["(none)"] if not args.model_list else [])
-    if unknown:
-        raise BenchUsageError(f"unknown model(s) {unknown}; choose from {', '.join(models)}")
-    if args.batch < 1:
-        raise BenchUsageError(f"--batch must be at least 1, got {args.batch}")
-
-
-def check_one_step(trainees: dict, batch: torch.Tensor, tolerance: Callable[[str], dict], model_name: str) -> None:
-    """Every variant takes one step on the same batch on every rank; its parameters must then equal stock DDP's
-    (``tolerance(variant)``: ``count_mismatches`` tolerances). Raises WrongResultError on every rank alike."""
-    for trainee in trainees.values():
-        trainee.step(batch)
-    reference = trainees["ddp"].flat_params()
-    wrong = {
-        v: launch.agree_count(count_mismatches(t.flat_params(), reference, **tolerance(v)), batch.device)
-        for v, t in trainees.items()
-    }
-    if any(wrong.values()):
-        listing = ", ".join(f"{v}: {n} parameters differ" for v, n in wrong.items() if n)
-        raise WrongResultError(f"{model_name}: after one step on the same batch, vs stock DDP: {listing}")
-
-
 def _tolerance(variant: str, world_size: int) -> dict:
     if variant not in LOW_PRECISION and variant != "no_comm":
         if world_size > 2 and variant in FIXED_CAPS:  # another layout, another summation order
@@ -229,28 +195,30 @@ def _tolerance(variant: str, world_size: int) -> dict:
     return {"rtol": 1e-3, "atol": 1e-5 if variant == "no_comm" else 1e-4}
 
 
-def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchReport | None:
-    device = launch.rank_device(args.backend)
-    plan = Plan(args.warmup, args.rounds, args.iters)
-    peer_group = launch.gloo_peer(args.backend)
-    variants = [*args.variant_list, PEER_VARIANT] if peer_group is not None else args.variant_list
+def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: DdpSettings) -> BenchReport | None:
+    device = launch.rank_device(ctx.backend)
+    peer_group = launch.gloo_peer(ctx.backend)
+    variants = [*settings.variants, PEER_VARIANT] if peer_group is not None else settings.variants
     results: dict[str, dict[str, float]] = {}
-    args.fastpar_caps, args.auto_notes = {}, []
-    for model_name in args.model_list:
+    fastpar_caps: dict[str, float] = {}
+    auto_notes: list[str] = []
+    for model_name in settings.models:
         width = MODELS[model_name][0]
-        args.fastpar_caps[model_name] = fastpar_cap_mb(build_model(model_name))
-        trainees = {v: Trainee(v, model_name, device, args.lr, peer_group) for v in variants}
-        check_batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(1)).to(device)
+        fastpar_caps[model_name] = fastpar_cap_mb(build_model(model_name))
+        trainees = {v: Trainee(v, model_name, device, settings.lr, peer_group) for v in variants}
+        check_batch = torch.randn(settings.batch, width, generator=torch.Generator().manual_seed(1)).to(device)
         check_one_step(trainees, check_batch, lambda v: _tolerance(v, world_size), model_name)
-        batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(100 + rank)).to(device)
+        batch = torch.randn(settings.batch, width, generator=torch.Generator().manual_seed(100 + rank)).to(device)
         for variant, trainee in trainees.items():
             if trainee.settle(batch):
-                args.auto_notes.append(f"{model_name} {variant}: {_auto_note(trainee.model.comm_stats()['auto'])}")
+                auto_notes.append(f"{model_name} {variant}: {_auto_note(trainee.model.comm_stats()['auto'])}")
         results[model_name] = launch.time_on_all_ranks(
-            {v: (lambda t=t, x=batch: t.step(x)) for v, t in trainees.items()}, plan, device
+            {v: (lambda t=t, x=batch: t.step(x)) for v, t in trainees.items()}, ctx.plan, device
         )
         del trainees
-    return _report(args, world_size, results) if rank == 0 else None
+    if rank != 0:
+        return None
+    return _report(ctx, settings, world_size, results, fastpar_caps, auto_notes)
 
 
 def _auto_note(summary: dict) -> str:
@@ -259,51 +227,55 @@ def _auto_note(summary: dict) -> str:
     return f"chose {summary.get('chosen')}, kept {summary.get('kept')} ({summary.get('buckets')} buckets; {steps})"
 
 
-def _goal_lines(model_name: str, seconds: dict[str, float]) -> tuple[list[str], dict[str, bool]]:
-    """The issue-11 goals for one model: (footer lines, goal -> met)."""
-    checks = []
+def step_goals(model_name: str, seconds: dict[str, float]) -> list[Verdict]:
+    """The declared goals checked for one model's step times (seconds per variant)."""
+    flags = floor_flags(model_name, seconds)
+    goals = []
+
+    def check(goal: Goal, ours: str, theirs: str, named: bool = False) -> None:
+        reference = f"{goal.reference} ({theirs})" if named else None  # name the variant that turned out best
+        ratio = seconds[ours] / seconds[theirs]
+        goals.append(goal.check(ratio, scope=model_name, reference=reference, flag=pair_flag(flags, ours, theirs)))
+
     fp32_torch = {v: t for v, t in seconds.items() if v.startswith("ddp") and v not in (*LOW_PRECISION, PEER_VARIANT)}
     if "fastpar_fp32" in seconds:
-        best = min(fp32_torch, key=fp32_torch.get)
-        checks.append(
-            ("fastpar_fp32", f"the best fp32 torch variant ({best})", fp32_torch[best], GOAL_FP32_VS_BEST_TORCH)
-        )
+        check(FP32_VS_BEST_TORCH, "fastpar_fp32", min(fp32_torch, key=fp32_torch.get), named=True)
     if "fastpar_bf16" in seconds and "ddp_fp16_hook" in seconds:
-        checks.append(("fastpar_bf16", "ddp_fp16_hook", seconds["ddp_fp16_hook"], GOAL_BF16_VS_FP16_HOOK))
+        check(BF16_VS_FP16_HOOK, "fastpar_bf16", "ddp_fp16_hook")
     if "fastpar_fp32" in seconds and PEER_VARIANT in seconds:
-        checks.append(("fastpar_fp32", PEER_VARIANT, seconds[PEER_VARIANT], GOAL_VS_GLOO))
+        check(FP32_VS_GLOO, "fastpar_fp32", PEER_VARIANT)
     fixed = {v: seconds[v] for v in FIXED_CAPS if v in seconds}
     if "fastpar_auto" in seconds and fixed:
-        best = min(fixed, key=fixed.get)
-        checks.append(("fastpar_auto", f"the best fixed cap ({best})", fixed[best], 1.0))
-    lines, met = [], {}
-    for ours, theirs, their_s, limit in checks:
-        ratio = seconds[ours] / their_s
-        met[f"{model_name}: {ours} / {theirs}"] = ratio <= limit
-        verdict = "MET" if ratio <= limit else "NOT MET"
-        lines.append(f"goal {model_name}: {ours} <= {limit:.2f}x {theirs}: {ratio:.2f}x -> {verdict}")
-    return lines, met
+        check(AUTO_VS_BEST_CAP, "fastpar_auto", min(fixed, key=fixed.get), named=True)
+    return goals
 
 
-def _report(args, world_size: int, results: dict[str, dict[str, float]]) -> BenchReport:
-    rows, footer, goals = [], [], {}
+def _report(
+    ctx: BenchContext,
+    settings: DdpSettings,
+    world_size: int,
+    results: dict[str, dict[str, float]],
+    fastpar_caps: dict[str, float],
+    auto_notes: list[str],
+) -> BenchReport:
+    rows, footer, goals = [], [], []
     for model_name, seconds in results.items():
         floor, peer = seconds["no_comm"], seconds["ddp"]
         for variant, t in seconds.items():
             rows.append(dict(model=model_name, variant=variant, step_ms=t * 1e3, x_floor=t / floor, x_ddp=t / peer))
-        lines, met = _goal_lines(model_name, seconds)
-        footer += lines
-        goals |= met
-    caps = ", ".join(f"{m} bucket_cap_mb={c:g}" for m, c in args.fastpar_caps.items())
+        footer += [f"beyond a bound: {flag}" for flag in floor_flags(model_name, seconds).values()]
+        goals += step_goals(model_name, seconds)
+    caps = ", ".join(f"{m} bucket_cap_mb={c:g}" for m, c in fastpar_caps.items())
     return BenchReport(
         benchmark="ddp",
         title=f"training step time, {world_size} ranks",
         columns=step_columns(17),
         rows=rows,
-        header=step_header(args, world_size, ddp_fastpar_cap=caps),
-        footer=footer + [f"auto: {note}" for note in args.auto_notes],
-        notes=list(args.skip_notes),
-        summary={"step_ms": {m: {v: t * 1e3 for v, t in s.items()} for m, s in results.items()}, "goals_met": goals},
+        header=step_header(ctx, world_size, settings.batch, ddp_fastpar_cap=caps),
+        footer=footer + [f"auto: {note}" for note in auto_notes],
+        goals=goals,
+        notes=list(settings.skip_notes),
+        summary={"step_ms": {m: {v: t * 1e3 for v, t in s.items()} for m, s in results.items()}},
         plot=PlotSpec("bar", "variant", "x_floor", series="model", ylabel="step time / no-communication step"),
     )
 
@@ -316,11 +288,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
 
 
-def run(args: argparse.Namespace) -> BenchReport | None:
-    check_models_and_batch(args, MODELS)
-    wanted = {v.strip() for v in args.variants.split(",") if v.strip()} | {"no_comm", "ddp"}
+def run(ctx: BenchContext) -> BenchReport | None:
+    flags = ctx.flags
+    models = parse_models(flags.models, MODELS, flags.batch)
+    wanted = {v.strip() for v in flags.variants.split(",") if v.strip()} | {"no_comm", "ddp"}
     if wanted - set(VARIANTS):
         raise BenchUsageError(f"unknown variant(s) {sorted(wanted - set(VARIANTS))}; choose from {', '.join(VARIANTS)}")
-    possible, args.skip_notes = available_variants()
-    args.variant_list = [v for v in possible if v in wanted]
-    return launch.run_distributed(_rank_main, args)
+    possible, skip_notes = available_variants()
+    variants = [v for v in possible if v in wanted]
+    settings = DdpSettings(models, variants, skip_notes, flags.batch, flags.lr)
+    return launch.run_distributed(_rank_main, ctx, settings)

@@ -1,7 +1,7 @@
 """``fastpar bench simulate``: predict step time, exposed communication and scaling efficiency for N ranks.
 
 From a profile (``fastpar bench calibrate --profile FILE``, or ``published:NAME`` for a published
-measurement rebuilt from its own inputs, see ``fastpar.bench.published``) and a fabric: ``--preset``,
+measurement rebuilt from its own inputs, see ``published``) and a fabric: ``--preset``,
 ``--topology FILE`` (``fastpar topo --json`` output or saved ``nvidia-smi topo -m``), or by default the
 profile's own measured network (alpha/beta fitted to its all-reduce, a flat ring). Collective costs:
 ``fastpar.costmodel.collective_costs`` (ring and tree formulas with their sources); the step:
@@ -10,43 +10,30 @@ profile's own measured network (alpha/beta fitted to its all-reduce, a flat ring
 compute-only step / predicted step (weak scaling: the same batch per rank).
 
 Validation, in the same output: every step the profile measured (torch DDP on the calibrated ranks)
-against its prediction from the profile's own measurements, with the goal line (within +-15%); for a
+against its prediction from the profile's own measurements, with the declared goal (``validation``); for a
 published case, its published efficiencies against the prediction.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from ..costmodel.bucket_optimizer import plan_buckets, size_capped_buckets, torch_layout
-from ..costmodel.collective_costs import Fabric, algorithm_for, collective_seconds
-from ..costmodel.fabrics import PRESETS, fabric_from_topology, load_topology, preset, with_overrides
-from ..costmodel.perf_profile import REDUCERS, Profile
-from ..costmodel.step_simulator import simulate_step
-from .harness import BenchUsageError
+from ...costmodel.bucket_optimizer import plan_buckets, torch_layout
+from ...costmodel.collective_costs import Fabric, algorithm_for
+from ...costmodel.fabrics import PRESETS, fabric_from_topology, load_topology, preset, with_overrides
+from ...costmodel.perf_profile import REDUCERS, Profile
+from ...costmodel.step_simulator import simulate_step
+from ..context import BenchContext
+from ..harness import BenchUsageError
+from ..table import BenchReport, Column, PlotSpec
 from .published import CASES, PublishedCase, case
-from .table import BenchReport, Column, PlotSpec, goal_line
+from .validation import comm_on, step_goal, validate
 
 DESCRIPTION = "predict step time, exposed comm and scaling efficiency for 1..1024 GPUs from a profile + fabric"
 USES: set[str] = set()
 DEFAULTS: dict = {}
 DEFAULT_RANKS = ",".join(str(1 << k) for k in range(11))  # 1, 2, 4, ..., 1024
-GOAL_ERROR = 0.15  # issue 11: predicted step within +-15% of the measured one
-
-
-@dataclass
-class Check:
-    """One measured number against its prediction: a step time (seconds) or a scaling efficiency."""
-
-    name: str
-    measured: float
-    predicted: float
-    detail: str = ""
-
-    @property
-    def error(self) -> float:
-        return self.predicted / self.measured - 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,93 +64,54 @@ def load(spec: str) -> tuple[Profile, PublishedCase | None]:
     return Profile.load(spec), None
 
 
-def comm_on(fabric: Fabric, ranks: int):
-    return lambda nbytes: collective_seconds("allreduce", nbytes, ranks, fabric)
-
-
-def validate(profile: Profile, published: PublishedCase | None = None) -> list[Check]:
-    """Each measurement the profile (or published case) carries, against the model's prediction of it."""
-    timeline = profile.timeline
-    checks = []
-    if published is not None:
-        for ranks, measured in published.efficiency.items():
-            grads = timeline.grads
-            buckets = size_capped_buckets(grads, published.caps_bytes, fit=published.fit) if published.caps_bytes \
-                else [[g.index] for g in grads]  # fmt: skip
-            fabric = published.fabric(ranks)
-            predicted = simulate_step(timeline, buckets, comm_on(fabric, ranks), published.costs)
-            checks.append(Check(f"efficiency, {ranks} GPUs", measured, predicted.efficiency(timeline.compute_s),
-                                f"{len(buckets)} collectives, exposed {predicted.exposed_s * 1e3:.1f} ms"))  # fmt: skip
-        return checks
-    for entry in profile.measured:
-        if entry.get("world_size") != profile.world_size or "step_s" not in entry:
-            continue
-        if entry["variant"] == "no_comm":
-            checks.append(Check("no_comm (compute only)", entry["step_s"], timeline.compute_s, "profile's timeline"))
-        elif entry["variant"] == "torch_ddp":
-            cap = entry["bucket_cap_mb"]
-            buckets = torch_layout(timeline, cap)
-            predicted = simulate_step(timeline, buckets, profile.comm(), profile.sync_costs("torch"))
-            checks.append(Check(f"torch_ddp cap {cap:g} MB", entry["step_s"], predicted.step_s,
-                                f"{len(buckets)} buckets, exposed {predicted.exposed_s * 1e3:.1f} ms"))  # fmt: skip
-    return checks
-
-
-def goal_lines(steps: list[Check]) -> tuple[list[str], bool, float]:
-    """The goal line for predicted DDP steps: every one within +-15% of its measurement."""
-    worst = max(abs(c.error) for c in steps)
-    listing = ", ".join(f"{c.name} {c.error:+.1%}" for c in steps)
-    return [goal_line(f"predicted step within +-{GOAL_ERROR:.0%} of measured", f"{listing}; worst {worst:.1%}",
-                      worst <= GOAL_ERROR)], worst <= GOAL_ERROR, worst  # fmt: skip
-
-
-def _fabric(args: argparse.Namespace, profile: Profile, published: PublishedCase | None) -> Fabric:
-    if args.preset:
-        fabric = preset(args.preset)
-    elif args.topology:
-        fabric = fabric_from_topology(load_topology(args.topology), inter_gbps=args.inter_gbps)
+def _fabric(flags: argparse.Namespace, profile: Profile, published: PublishedCase | None) -> Fabric:
+    if flags.preset:
+        fabric = preset(flags.preset)
+    elif flags.topology:
+        fabric = fabric_from_topology(load_topology(flags.topology), inter_gbps=flags.inter_gbps)
     elif published is not None:
         fabric = published.fabric(max(published.efficiency))
     else:
         fabric = profile.fitted_fabric()
     return with_overrides(
-        fabric, intra_gbs=args.intra_gbs, inter_gbps=args.inter_gbps, gpus_per_node=args.gpus_per_node
+        fabric, intra_gbs=flags.intra_gbs, inter_gbps=flags.inter_gbps, gpus_per_node=flags.gpus_per_node
     )
 
 
-def _parse(args: argparse.Namespace) -> tuple[list[int], list[float | str]]:
+def _parse(flags: argparse.Namespace) -> tuple[list[int], list[float | str]]:
     try:
-        ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
+        ranks = [int(r) for r in flags.ranks.split(",") if r.strip()]
         caps: list[float | str] = [
-            c.strip() if c.strip() == "auto" else float(c) for c in args.caps.split(",") if c.strip()
+            c.strip() if c.strip() == "auto" else float(c) for c in flags.caps.split(",") if c.strip()
         ]
     except ValueError:
         raise BenchUsageError(
-            f"--ranks takes integers and --caps MB or auto; got {args.ranks!r}, {args.caps!r}"
+            f"--ranks takes integers and --caps MB or auto; got {flags.ranks!r}, {flags.caps!r}"
         ) from None
     if not ranks or min(ranks) < 1:
-        raise BenchUsageError(f"--ranks must be positive integers, got {args.ranks!r}")
+        raise BenchUsageError(f"--ranks must be positive integers, got {flags.ranks!r}")
     if not caps or any(c != "auto" and c <= 0 for c in caps):
-        raise BenchUsageError(f"--caps must be positive MB or auto, got {args.caps!r}")
-    if args.compute_scale <= 0:
-        raise BenchUsageError(f"--compute-scale must be positive, got {args.compute_scale}")
+        raise BenchUsageError(f"--caps must be positive MB or auto, got {flags.caps!r}")
+    if flags.compute_scale <= 0:
+        raise BenchUsageError(f"--compute-scale must be positive, got {flags.compute_scale}")
     return ranks, caps
 
 
-def run(args: argparse.Namespace) -> BenchReport:
-    ranks, caps = _parse(args)
+def run(ctx: BenchContext) -> BenchReport:
+    flags = ctx.flags
+    ranks, caps = _parse(flags)
     try:
-        profile, published = load(args.profile)
-        fabric = _fabric(args, profile, published)
+        profile, published = load(flags.profile)
+        fabric = _fabric(flags, profile, published)
         if profile.timeline is None:
-            raise ValueError(f"{args.profile} has no gradient timeline; calibrate with a model")
-        timeline = profile.timeline.scaled(args.compute_scale)
+            raise ValueError(f"{flags.profile} has no gradient timeline; calibrate with a model")
+        timeline = profile.timeline.scaled(flags.compute_scale)
         # the profile's contention factors describe its own CPU ranks; a named GPU fabric gets none
-        own_network = not (args.preset or args.topology)
-        costs = published.costs if published else profile.sync_costs(args.reducer, contention=own_network)
+        own_network = not (flags.preset or flags.topology)
+        costs = published.costs if published else profile.sync_costs(flags.reducer, contention=own_network)
         # packing and unpacking run on the same device as the compute: they scale with it
-        costs = replace(costs, pack_s_per_byte=costs.pack_s_per_byte * args.compute_scale,
-                        unpack_s_per_byte=costs.unpack_s_per_byte * args.compute_scale)  # fmt: skip
+        costs = replace(costs, pack_s_per_byte=costs.pack_s_per_byte * flags.compute_scale,
+                        unpack_s_per_byte=costs.unpack_s_per_byte * flags.compute_scale)  # fmt: skip
         rows, skipped = [], [n for n in ranks if n > fabric.gpus_per_node and fabric.inter is None]
         for n in (n for n in ranks if n not in skipped):
             comm, nodes = comm_on(fabric, n), fabric.nodes(n)
@@ -186,7 +134,7 @@ def run(args: argparse.Namespace) -> BenchReport:
             f"every --ranks value is above the {fabric.gpus_per_node} GPUs of one {fabric.name} node, and the fabric "
             "has no inter-node network: give --inter-gbps (Gb/s per node) or fewer ranks"
         )
-    report = _report(args, profile, published, fabric, timeline, rows)
+    report = _report(flags, profile, published, fabric, timeline, rows)
     if skipped:
         report.notes.append(
             f"ranks {','.join(map(str, skipped))} skipped: more than one node of {fabric.gpus_per_node} and no "
@@ -203,7 +151,7 @@ def _fabric_line(fabric: Fabric) -> str:
     return f"{fabric.gpus_per_node} per node, intra {intra}; inter {inter}; base {fabric.base_latency_us:g} us per call"
 
 
-def _report(args, profile, published, fabric, timeline, rows) -> BenchReport:
+def _report(flags, profile, published, fabric, timeline, rows) -> BenchReport:
     checks = validate(profile, published)
     footer = [f"fabric: {fabric.name}: {_fabric_line(fabric)}"]
     footer += [f"  source: {s}" for s in fabric.sources]
@@ -218,26 +166,25 @@ def _report(args, profile, published, fabric, timeline, rows) -> BenchReport:
         footer.append(f"published: {published.source}")
         summary["published_errors"] = {c.name: c.error for c in checks}
     steps = [c for c in checks if c.name.startswith("torch_ddp")]
+    goals = [step_goal(steps)] if steps else []
     if steps:
-        lines, met, worst = goal_lines(steps)
-        footer += lines
-        summary.update(goal_met=met, worst_step_error=worst)
+        summary["worst_step_error"] = goals[0].value
     notes = []
     if (
         profile.device == "cpu"
         and fabric.intra.latency_us < 50
-        and args.compute_scale == 1.0
-        and (args.preset or args.topology)
+        and flags.compute_scale == 1.0
+        and (flags.preset or flags.topology)
     ):
         notes.append("compute times are this profile's CPU timings; for a GPU fabric calibrate on the GPUs or use "
                      "--compute-scale")  # fmt: skip
     header = {
-        "profile": args.profile,
+        "profile": flags.profile,
         "model": str(profile.model.get("name", "?")),
         "compute step (no communication)": f"{timeline.compute_s * 1e3:.2f} ms ({len(timeline.grads)} gradients)",
-        "reducer": "as published" if published else args.reducer,
+        "reducer": "as published" if published else flags.reducer,
         "contention": "none"
-        if published or args.preset or args.topology
+        if published or flags.preset or flags.topology
         else "compute x{:.2f}, wire x{:.2f} while both run (the profile's)".format(
             1 + profile.contention.get("compute_slowdown", 0.0), 1 + profile.contention.get("wire_slowdown", 0.0)
         ),
@@ -260,6 +207,7 @@ def _report(args, profile, published, fabric, timeline, rows) -> BenchReport:
         rows=rows,
         header=header,
         footer=footer,
+        goals=goals,
         notes=notes,
         summary=summary,
         plot=PlotSpec("line", "ranks", "efficiency", series="cap", ylabel="scaling efficiency (compute / step)"),

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ..costmodel.step_simulator import GradArrival, StepTimeline
+from ...costmodel.step_simulator import GradArrival, StepTimeline
 
 
 def _sync(device: torch.device) -> None:

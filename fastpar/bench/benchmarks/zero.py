@@ -13,50 +13,63 @@ Variants, interleaved in rounds on the same ranks:
 
 Before timing every variant takes one step on the same batch on every rank; its parameters must then equal
 torch DDP's bit for bit (no_comm: within rounding). Optimizer state bytes are measured on every rank. On CPU
-ranks each timed zero_fastpar step includes waiting for its all-gather (see ``Trainee.timed_step``).
+ranks each timed zero_fastpar step includes waiting for its all-gather (see ``Trainee.timed_step``). A variant
+faster than no_comm is flagged, and a goal that compares it is IMPOSSIBLE.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from . import launch
-from .ddp_step import MODELS as DDP_MODELS
-from .ddp_step import build_model as build_ddp_model
-from .ddp_step import check_models_and_batch, check_one_step, step_columns, step_header
-from .harness import BenchUsageError, Plan
-from .table import BenchReport, Column, PlotSpec, goal_line
+from .. import launch
+from ..context import BenchContext
+from ..goals import AT_MOST, Goal, Verdict
+from ..harness import BenchUsageError
+from ..table import BenchReport, Column, PlotSpec
+from .training_step import (
+    MODELS,
+    build_model,
+    check_one_step,
+    floor_flags,
+    pair_flag,
+    parse_models,
+    step_columns,
+    step_header,
+)
 
 DESCRIPTION = "ZeRO-1: optimizer state per rank and step time, fastpar sharded vs torch ZeroRedundancyOptimizer vs DDP"
 USES = {"nproc"}
 DEFAULTS = {"iters": 2, "warmup": 1, "rounds": 5}
-MODELS = {**DDP_MODELS, "tiny": (64, 4)}
 VARIANTS = ("no_comm", "ddp", "ddp_fastpar", "zero_torch", "zero_fastpar")
 LR, WEIGHT_DECAY = 1e-3, 0.01
-STEP_GOALS = (("zero_fastpar", "ddp_fastpar", 1.05), ("zero_fastpar", "zero_torch", 0.90))  # issue 12
+STATE_PER_RANK = Goal("zero_fastpar optimizer state per rank", "(1/N of unsharded + one bucket)", 1.0, AT_MOST)
+STEP_VS_UNSHARDED = Goal("zero_fastpar step", "ddp_fastpar", 1.05, AT_MOST)
+STEP_VS_TORCH_ZERO = Goal("zero_fastpar step", "zero_torch", 0.90, AT_MOST)
+STEP_GOALS = ((STEP_VS_UNSHARDED, "zero_fastpar", "ddp_fastpar"), (STEP_VS_TORCH_ZERO, "zero_fastpar", "zero_torch"))
 
 
-def build_model(name: str) -> nn.Module:
-    if name == "tiny":
-        width, depth = MODELS[name]
-        torch.manual_seed(0)
-        return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.GELU())])
-    return build_ddp_model(name)
+@dataclass(frozen=True)
+class ZeroSettings:
+    """What ``run`` derived from the zero flags, for every rank."""
+
+    models: list[str]
+    batch: int
 
 
 class Trainee:
     """One variant's model, optimizer and step."""
 
     def __init__(self, variant: str, model_name: str, device: torch.device) -> None:
-        import fastpar
+        from ...ddp import DistributedDataParallel
+        from ...zero import ShardedOptimizer
 
         module = build_model(model_name).to(device)
         device_ids = [device.index] if device.type == "cuda" else None
-        self.sharded: fastpar.ShardedOptimizer | None = None
+        self.sharded: ShardedOptimizer | None = None
         if variant == "no_comm":
             self.model, self.optimizer = module, _adamw(module.parameters())
         elif variant in ("ddp", "zero_torch"):
@@ -69,11 +82,11 @@ class Trainee:
                 self.optimizer = ZeroRedundancyOptimizer(self.model.parameters(), torch.optim.AdamW, lr=LR,
                                                          weight_decay=WEIGHT_DECAY)  # fmt: skip
         else:
-            self.model = fastpar.DistributedDataParallel(module, device_ids=device_ids)
+            self.model = DistributedDataParallel(module, device_ids=device_ids)
             if variant == "ddp_fastpar":
                 self.optimizer = _adamw(self.model.parameters())
             else:
-                self.sharded = fastpar.ShardedOptimizer(self.model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
+                self.sharded = ShardedOptimizer(self.model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
                 self.optimizer = self.sharded
 
     def step(self, x: torch.Tensor) -> None:
@@ -121,31 +134,44 @@ def _per_rank(value: int, device: torch.device) -> list[int]:
     return [int(v.item()) for v in values]
 
 
-def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchReport | None:
-    device = launch.rank_device(args.backend)
-    plan = Plan(args.warmup, args.rounds, args.iters)
+def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: ZeroSettings) -> BenchReport | None:
+    device = launch.rank_device(ctx.backend)
     seconds, memory = {}, {}
-    for model_name in args.model_list:
+    for model_name in settings.models:
         width = MODELS[model_name][0]
         trainees = {v: Trainee(v, model_name, device) for v in VARIANTS}
-        check_batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(1)).to(device)
+        check_batch = torch.randn(settings.batch, width, generator=torch.Generator().manual_seed(1)).to(device)
         check_one_step(trainees, check_batch, _tolerance, model_name)
         memory[model_name] = {v: _per_rank(t.state_bytes(), device) for v, t in trainees.items()}
         memory[model_name]["_bucket"] = trainees["zero_fastpar"].largest_bucket_numel()
         memory[model_name]["_numel"] = sum(p.numel() for p in trainees["ddp"].model.parameters())
-        batch = torch.randn(args.batch, width, generator=torch.Generator().manual_seed(100 + rank)).to(device)
+        batch = torch.randn(settings.batch, width, generator=torch.Generator().manual_seed(100 + rank)).to(device)
         seconds[model_name] = launch.time_on_all_ranks(
-            {v: (lambda t=t, x=batch: t.timed_step(x)) for v, t in trainees.items()}, plan, device
+            {v: (lambda t=t, x=batch: t.timed_step(x)) for v, t in trainees.items()}, ctx.plan, device
         )
         for trainee in trainees.values():
             if trainee.sharded is not None:
                 trainee.sharded.wait_for_params()
         del trainees
-    return _report(args, world_size, seconds, memory) if rank == 0 else None
+    return _report(ctx, settings, world_size, seconds, memory) if rank == 0 else None
 
 
-def _report(args, world_size: int, seconds: dict, memory: dict) -> BenchReport:
-    rows, footer, goals = [], [], {}
+def _state_goal(model_name: str, mem: dict, world_size: int) -> Verdict:
+    """Optimizer state on the largest rank against 1/N of the unsharded state plus one bucket's worth."""
+    unsharded = max(mem["ddp_fastpar"])
+    per_element = unsharded / mem["_numel"]
+    bucket = mem["_bucket"] * per_element
+    limit = unsharded / world_size + bucket
+    worst = max(mem["zero_fastpar"])
+    detail = (
+        f"{worst / 2**20:.2f} MiB on the largest rank, limit {unsharded / 2**20:.2f}/{world_size} + "
+        f"{bucket / 2**20:.2f} MiB; {worst / unsharded:.3f}x unsharded"
+    )
+    return STATE_PER_RANK.check(worst / limit, scope=model_name, detail=detail)
+
+
+def _report(ctx: BenchContext, settings: ZeroSettings, world_size: int, seconds: dict, memory: dict) -> BenchReport:
+    rows, footer, goals = [], [], []
     for model_name, times in seconds.items():
         mem = memory[model_name]
         floor, peer = times["no_comm"], times["ddp"]
@@ -155,41 +181,33 @@ def _report(args, world_size: int, seconds: dict, memory: dict) -> BenchReport:
                              x_ddp_fastpar=t / times["ddp_fastpar"],
                              state_mib=max(mem[variant]) / 2**20,
                              per_rank=" ".join(f"{b / 2**20:.2f}" for b in mem[variant])))  # fmt: skip
-        unsharded = max(mem["ddp_fastpar"])
-        per_element = unsharded / mem["_numel"]
-        limit = unsharded / world_size + mem["_bucket"] * per_element
-        worst = max(mem["zero_fastpar"])
-        met = worst <= limit
-        goals[f"{model_name}: zero_fastpar state <= 1/N unsharded + one bucket"] = met
-        footer.append(goal_line(
-            f"{model_name}: optimizer state per rank <= 1/{world_size} of unsharded + one bucket "
-            f"({unsharded / 2**20:.2f}/{world_size} + {mem['_bucket'] * per_element / 2**20:.2f} MiB)",
-            f"{worst / 2**20:.2f} MiB on the largest rank ({worst / unsharded:.3f}x unsharded)", met))  # fmt: skip
-        for ours, theirs, limit_ratio in STEP_GOALS:
-            ratio = times[ours] / times[theirs]
-            goals[f"{model_name}: {ours} / {theirs}"] = ratio <= limit_ratio
-            footer.append(goal_line(f"{model_name}: {ours} step <= {limit_ratio:.2f}x {theirs}", f"{ratio:.2f}x",
-                                    ratio <= limit_ratio))  # fmt: skip
+        flags = floor_flags(model_name, times)
+        footer += [f"beyond a bound: {flag}" for flag in flags.values()]
+        goals.append(_state_goal(model_name, mem, world_size))
+        for goal, ours, theirs in STEP_GOALS:
+            goals.append(goal.check(times[ours] / times[theirs], scope=model_name, flag=pair_flag(flags, ours, theirs)))
+    # one state column: every rank's MiB (the JSON rows also carry state_mib, the largest)
+    per_rank_width = 2 + max([len("state MiB per rank"), *(len(r["per_rank"]) for r in rows)])  # 2: a clear gap
     return BenchReport(
         benchmark="zero",
         title=f"ZeRO-1 optimizer state and step time, {world_size} ranks",
         columns=[
             *step_columns(13),
             Column("x_ddp_fastpar", "x ddp_fastpar", 14, ".2f", "x"),
-            Column("state_mib", "state MiB/rank", 15, ".2f", "MiB"),
-            Column("per_rank", "state MiB per rank", 20),
+            Column("per_rank", "state MiB per rank", per_rank_width, unit="MiB"),
         ],
         rows=rows,
         header=step_header(
-            args,
+            ctx,
             world_size,
+            settings.batch,
             optimizer=f"AdamW(lr={LR}, weight_decay={WEIGHT_DECAY}); state = its tensors (exp_avg, exp_avg_sq, step)",
         ),  # fmt: skip
         footer=footer,
+        goals=goals,
         summary={
             "step_ms": {m: {v: t * 1e3 for v, t in s.items()} for m, s in seconds.items()},
             "state_bytes_per_rank": {m: {v: mem[v] for v in VARIANTS} for m, mem in memory.items()},
-            "goals_met": goals,
         },
         plot=PlotSpec("bar", "variant", "x_floor", series="model", ylabel="step time / no-communication step"),
     )
@@ -203,8 +221,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch", type=int, default=64, help="rows per step per rank (default 64)")
 
 
-def run(args: argparse.Namespace) -> BenchReport | None:
-    check_models_and_batch(args, MODELS)
-    if args.nproc == 1:
+def run(ctx: BenchContext) -> BenchReport | None:
+    models = parse_models(ctx.flags.models, MODELS, ctx.flags.batch)
+    if ctx.nproc == 1:
         raise BenchUsageError("zero shards across ranks: --nproc must be at least 2")
-    return launch.run_distributed(_rank_main, args)
+    return launch.run_distributed(_rank_main, ctx, ZeroSettings(models, ctx.flags.batch))

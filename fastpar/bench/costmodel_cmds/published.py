@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..costmodel.collective_costs import Fabric, Link
-from ..costmodel.fabrics import LATENCY_US, LINK_EFFICIENCY, NCCL_BASE_LATENCY_US, preset
-from ..costmodel.step_simulator import GradArrival, StepTimeline, SyncCosts
+from ...costmodel.collective_costs import Fabric, Link
+from ...costmodel.fabrics import LATENCY_US, LINK_EFFICIENCY, NCCL_BASE_LATENCY_US, preset
+from ...costmodel.step_simulator import GradArrival, StepTimeline, SyncCosts
 
 BACKWARD_SHARE = 2 / 3
 P100_COPY_GBS = 732 / 2 * LINK_EFFICIENCY  # HBM2 peak 732 GB/s, read + write: gradient bytes copied per second

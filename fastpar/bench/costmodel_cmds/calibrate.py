@@ -20,13 +20,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..costmodel.collective_costs import ring_seconds
-from ..costmodel.perf_profile import CollectiveTable, Profile
-from . import launch
+from ...costmodel.collective_costs import ring_seconds
+from ...costmodel.perf_profile import CollectiveTable, Profile
+from .. import launch
+from ..context import BenchContext
+from ..harness import BenchUsageError, Plan, format_bytes
+from ..table import BenchReport, Column, PlotSpec
 from .calibration import (
     CONTENTION_BUCKET_BYTES,
     ContentionTrial,
@@ -36,8 +40,7 @@ from .calibration import (
     move_variants,
 )
 from .grad_timeline import GradTimer, slowest_ranks
-from .harness import BenchUsageError, Plan, format_bytes
-from .table import BenchReport, Column, PlotSpec
+from .validation import step_goal, validate
 
 DESCRIPTION = "measure collectives, pack/unpack and the gradient timeline on the live group; write a profile"
 USES = {"sizes", "nproc"}
@@ -45,6 +48,17 @@ DEFAULTS = {"min_bytes": "16K", "max_bytes": "16M", "factor": 4, "iters": 3, "wa
 OPS = ("allreduce", "reducescatter", "allgather")
 DEFAULT_PROFILE = "fastpar-profile.json"
 REDUCER_MOVES = ("torch_pack", "torch_unpack", "fastpar_pack", "fastpar_unpack")
+
+
+@dataclass(frozen=True)
+class CalibrateSettings:
+    """What ``run`` derived from the calibrate flags, for every rank."""
+
+    ops: list[str]
+    caps: list[float]
+    model: str
+    batch: int
+    profile: str
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,33 +71,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ops", default=",".join(OPS), help=f"collectives to measure (default {','.join(OPS)})")
 
 
-def _model_factory(args: argparse.Namespace):
+def _model_factory(model: str, batch: int):
     """``(build() -> model, input shape source)`` for --model; the same weights on every call."""
-    if args.model in ("mlp", "blocks"):
-        from .ddp_step import MODELS, build_model
+    if model in ("mlp", "blocks"):
+        from ..benchmarks.training_step import MODELS, build_model
 
-        width = MODELS[args.model][0]
-        return (lambda: build_model(args.model)), (lambda gen: torch.randn(args.batch, width, generator=gen))
-    if args.model == "tiny":  # for smoke tests: 4 x (Linear(256, 256) + GELU)
+        width = MODELS[model][0]
+        return (lambda: build_model(model)), (lambda gen: torch.randn(batch, width, generator=gen))
+    if model == "tiny":  # for smoke tests: 4 x (Linear(256, 256) + GELU)
 
         def tiny() -> torch.nn.Module:
             torch.manual_seed(0)
             return torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())])
 
-        return tiny, (lambda gen: torch.randn(args.batch, 256, generator=gen))
-    module_name, _, function = args.model.partition(":")
+        return tiny, (lambda gen: torch.randn(batch, 256, generator=gen))
+    module_name, _, function = model.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), function)
     except (ImportError, AttributeError, ValueError) as exc:
         raise BenchUsageError(
-            f"--model {args.model!r}: cannot load it ({exc}); use mlp, blocks, tiny or package.module:function"
+            f"--model {model!r}: cannot load it ({exc}); use mlp, blocks, tiny or package.module:function"
         ) from None
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
-        return factory(args.batch)[0]
+        return factory(batch)[0]
 
-    example = factory(args.batch)[1]
+    example = factory(batch)[1]
     return build, (lambda gen: torch.randn(example.shape, generator=gen).to(example.dtype))
 
 
@@ -91,13 +105,13 @@ def _loss(output: torch.Tensor) -> torch.Tensor:
     return output.float().square().mean()
 
 
-def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchReport | None:
-    device = launch.rank_device(args.backend)
-    plan = Plan(args.warmup, args.rounds, args.iters)
-    measure_collectives(["allreduce"], args.sizes, device, rank, world_size, plan, timed=False)  # checked only
-    tables = measure_collectives([op for op in args.op_list if op != "allreduce"], args.sizes, device, rank,
+def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: CalibrateSettings) -> BenchReport | None:
+    device = launch.rank_device(ctx.backend)
+    plan = ctx.plan
+    measure_collectives(["allreduce"], ctx.sizes, device, rank, world_size, plan, timed=False)  # checked only
+    tables = measure_collectives([op for op in settings.ops if op != "allreduce"], ctx.sizes, device, rank,
                                  world_size, plan)  # fmt: skip
-    build, make_input = _model_factory(args)
+    build, make_input = _model_factory(settings.model, settings.batch)
     batch = make_input(torch.Generator().manual_seed(100 + rank)).to(device)
     model = build().to(device)
     timer = GradTimer(model, torch.optim.SGD(model.parameters(), lr=0.01), _loss)
@@ -105,11 +119,11 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
         timer.step(batch)
     first = slowest_ranks(timer.timeline(skip=1), device)
     variants: dict = {"no_comm": lambda: timer.step(batch)}
-    if args.cap_list:
+    if settings.caps:
         check = make_input(torch.Generator().manual_seed(1)).to(device)
-        variants |= ddp_variants(lambda: build().to(device), batch, check, _loss, args.cap_list, device)
+        variants |= ddp_variants(lambda: build().to(device), batch, check, _loss, settings.caps, device)
     variants |= move_variants(timer.params, device, world_size)
-    allreduces = allreduce_variants(args.sizes, device, rank, world_size)
+    allreduces = allreduce_variants(ctx.sizes, device, rank, world_size)
     variants |= allreduces
     trial = None
     if device.type == "cpu":  # gloo's threads and backward share the cores
@@ -132,9 +146,9 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
     tables = {"allreduce": CollectiveTable([int(n.split("_")[1]) for n in allreduces], [seconds[n] for n in allreduces]),
               **tables}  # fmt: skip
     grad_bytes = sum(g.nbytes for g in timeline.grads)
-    steps = {"no_comm": None} | {f"ddp_cap_{cap:g}mb": cap for cap in args.cap_list}
+    steps = {"no_comm": None} | {f"ddp_cap_{cap:g}mb": cap for cap in settings.caps}
     profile = Profile(
-        backend=args.backend,
+        backend=ctx.backend,
         device=device.type,
         world_size=world_size,
         collectives=tables,
@@ -142,8 +156,8 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
         contention=contention,
         timeline=timeline,
         model={
-            "name": args.model,
-            "batch": args.batch,
+            "name": settings.model,
+            "batch": settings.batch,
             "parameters": len(timeline.grads),
             "gradient_bytes": grad_bytes,
         },
@@ -157,19 +171,17 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
             }
             for name, cap in steps.items()
         ],
-        threads=args.threads,
+        threads=ctx.threads,
         meta={
             "created": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "command": args.command,
+            "command": ctx.command,
             "timeline_scale": scale,  # hook medians (slowest rank) -> the measured no_comm step
         },
     )
-    args.profile_path = str(profile.save(args.profile))
-    return _report(args, profile)
+    return _report(ctx, settings, profile, str(profile.save(settings.profile)))
 
 
-def _report(args: argparse.Namespace, profile: Profile) -> BenchReport:
-    from .simulate import validate
+def _report(ctx: BenchContext, settings: CalibrateSettings, profile: Profile, profile_path: str) -> BenchReport:
 
     rows = []
     for op, table in profile.collectives.items():
@@ -193,24 +205,21 @@ def _report(args: argparse.Namespace, profile: Profile) -> BenchReport:
         rows.append(dict(kind="step", item=check.name, measured_ms=check.measured * 1e3, model_ms=check.predicted * 1e3,
                          error=check.error, detail=check.detail))  # fmt: skip
     footer = [
-        f"profile: {args.profile_path} ({len(t.grads)} gradients, {format_bytes(grad_bytes)}; "
-        f"predict with: fastpar bench simulate --profile {args.profile_path})",
+        f"profile: {profile_path} ({len(t.grads)} gradients, {format_bytes(grad_bytes)}; "
+        f"predict with: fastpar bench simulate --profile {profile_path})",
         "model_ms of a collective: the ring formula with the fitted alpha/beta (fastpar.costmodel.collective_costs)",
         "model_ms of a step: fastpar.costmodel.step_simulator with torch's bucket layout at that cap",
         f"timeline: hook medians (slowest rank) x {profile.meta['timeline_scale']:.3f} = the no_comm step measured "
         "in the same rounds",
     ]
-    summary: dict = {"profile": args.profile_path, "contention": profile.contention, "moves_gbs": profile.moves_gbs}
+    summary: dict = {"profile": profile_path, "contention": profile.contention, "moves_gbs": profile.moves_gbs}
     steps = [c for c in checks if c.name.startswith("torch_ddp")]
+    goals = [step_goal(steps)] if steps else []
     if steps:
-        from .simulate import goal_lines
-
-        lines, met, worst = goal_lines(steps)
-        footer += lines
-        summary.update(goal_met=met, worst_step_error=worst)
+        summary["worst_step_error"] = goals[0].value
     return BenchReport(
         benchmark="calibrate",
-        title=f"cost model calibration, {profile.world_size} {profile.backend} ranks, model {args.model}",
+        title=f"cost model calibration, {profile.world_size} {profile.backend} ranks, model {settings.model}",
         columns=[
             Column("kind", "kind", 13),
             Column("item", "item", 20),
@@ -223,33 +232,36 @@ def _report(args: argparse.Namespace, profile: Profile) -> BenchReport:
         header={
             "backend": profile.backend,
             "world size": str(profile.world_size),
-            "threads per rank": str(args.threads),
-            "timing": f"median of {args.rounds} rounds x {args.iters} iters after {args.warmup} warm-up, slowest rank",
+            "threads per rank": str(ctx.threads),
+            "timing": f"median of {ctx.rounds} rounds x {ctx.iters} iters after {ctx.warmup} warm-up, slowest rank",
         },
         footer=footer,
+        goals=goals,
         summary=summary,
         plot=PlotSpec("bar", "item", "error", series="kind", ylabel="model / measured - 1"),
     )
 
 
-def run(args: argparse.Namespace) -> BenchReport | None:
-    args.op_list = [op.strip() for op in args.ops.split(",") if op.strip()]
-    unknown = sorted(set(args.op_list) - set(OPS))
-    if unknown or "allreduce" not in args.op_list:
-        raise BenchUsageError(f"--ops must include allreduce and may add reducescatter, allgather; got {args.ops!r}")
+def run(ctx: BenchContext) -> BenchReport | None:
+    flags = ctx.flags
+    ops = [op.strip() for op in flags.ops.split(",") if op.strip()]
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown or "allreduce" not in ops:
+        raise BenchUsageError(f"--ops must include allreduce and may add reducescatter, allgather; got {flags.ops!r}")
     try:
-        args.cap_list = [float(c) for c in args.caps.split(",") if c.strip()]
+        caps = [float(c) for c in flags.caps.split(",") if c.strip()]
     except ValueError:
-        raise BenchUsageError(f"--caps takes bucket sizes in MB like 1,4,25; got {args.caps!r}") from None
-    if any(c <= 0 for c in args.cap_list):
-        raise BenchUsageError(f"--caps must be positive MB, got {args.caps!r}")
-    if args.batch < 1 or args.steps < 1:
+        raise BenchUsageError(f"--caps takes bucket sizes in MB like 1,4,25; got {flags.caps!r}") from None
+    if any(c <= 0 for c in caps):
+        raise BenchUsageError(f"--caps must be positive MB, got {flags.caps!r}")
+    if flags.batch < 1 or flags.steps < 1:
         raise BenchUsageError("--batch and --steps must be at least 1")
-    if Path(args.profile).is_dir():
-        raise BenchUsageError(f"--profile {args.profile}: is a directory; name a file")
-    _model_factory(args)  # a bad --model fails here, before any rank starts
-    world = launch.resolve_world(args.nproc, args.backend)
+    if Path(flags.profile).is_dir():
+        raise BenchUsageError(f"--profile {flags.profile}: is a directory; name a file")
+    _model_factory(flags.model, flags.batch)  # a bad --model fails here, before any rank starts
+    world = launch.resolve_world(ctx.nproc, ctx.backend)
     if world.nproc < 2:
         raise BenchUsageError("calibrate needs at least 2 ranks (one rank has no collectives to measure): --nproc 2")
-    args.backend = world.backend
-    return launch.run_ranks(_rank_main, args, world, threads=args.threads)
+    ctx.backend = world.backend
+    settings = CalibrateSettings(ops, caps, flags.model, flags.batch, flags.profile)
+    return launch.run_ranks(_rank_main, world, ctx, settings, threads=ctx.threads)

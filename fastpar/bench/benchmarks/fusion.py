@@ -12,7 +12,8 @@ Paths (all in place, SUM, on the same tensors' shapes):
                     one all-reduce per bucket, nothing packed
   single            one all-reduce of one tensor of the same total bytes: the floor
 
-``share_of_single`` = single's time / the path's time (1.0 = as fast as one big tensor).
+``share_of_single`` = single's time / the path's time (1.0 = as fast as one big tensor); the goal of the
+bucketed path is flagged (IMPOSSIBLE, never MET) when it is faster than its floor.
 The first two paths issue thousands of collectives and are slow: they run ``--slow-iters`` calls per
 round (default 1) and their correctness run doubles as their warm-up.
 """
@@ -26,10 +27,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from . import launch
-from .harness import (
+from .. import launch
+from ..context import BenchContext
+from ..goals import AT_LEAST, Goal, beyond_floor
+from ..harness import (
     BenchUsageError,
-    Plan,
     WrongResultError,
     bandwidth_gbs,
     count_mismatches,
@@ -38,7 +40,7 @@ from .harness import (
     parse_dtype,
     synchronize,
 )
-from .table import BenchReport, Column, PlotSpec
+from ..table import BenchReport, Column, PlotSpec
 
 DESCRIPTION = "all-reduce of many small tensors: one by one, async, coalesced, fastpar buckets vs one tensor"
 USES = {"nproc", "dtype"}
@@ -53,7 +55,7 @@ VARIANTS = (
     "single",
 )
 SLOW_VARIANTS = ("one_by_one", "async_one_wait")
-GOAL_SHARE = 0.90  # issues 5 and 11: fastpar's bucketed path >= 90% of the single-tensor speed
+BUCKETED_VS_SINGLE = Goal("fastpar_bucketed", "of single", 0.90, AT_LEAST, unit="%")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,8 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _selected(args: argparse.Namespace) -> list[str]:
-    chosen = [v.strip() for v in args.variants.split(",") if v.strip()]
+def _selected(flags: argparse.Namespace) -> list[str]:
+    chosen = [v.strip() for v in flags.variants.split(",") if v.strip()]
     unknown = sorted(set(chosen) - set(VARIANTS))
     if unknown:
         raise BenchUsageError(f"unknown fusion variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
@@ -95,8 +97,8 @@ def build_path(
     name: str, count: int, numel: int, dtype, device, cap_mb: float | None
 ) -> tuple[list[torch.Tensor], Callable]:
     """The tensors a path reduces (as the check sees them) and one call of the path."""
-    from ..ddp import CoalescedAllReduce, all_reduce_coalesced
-    from ..ddp.coalesced import plan_coalesced_buckets
+    from ...ddp import CoalescedAllReduce, all_reduce_coalesced
+    from ...ddp.coalesced import plan_coalesced_buckets
 
     if name == "single":
         flat = torch.zeros(count * numel, dtype=dtype, device=device)
@@ -145,17 +147,19 @@ def path_call(
     return build_path(name, count, numel, torch.float32, torch.device("cpu"), cap_mb)[1]
 
 
-def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchReport | None:
-    device = launch.rank_device(args.backend)
-    dtype = parse_dtype(args.dtype)
-    names = _selected(args)
-    from ..ddp.buckets import default_caps
+def _rank_main(rank: int, world_size: int, ctx: BenchContext) -> BenchReport | None:
+    flags = ctx.flags
+    device = launch.rank_device(ctx.backend)
+    dtype = parse_dtype(ctx.dtype)
+    names = _selected(flags)
+    from ...ddp.buckets import default_caps
 
-    if args.bucket_cap_mb is None:
-        probe = [torch.empty(args.numel, dtype=dtype, device=device)] * args.count
+    cap_note = f"{flags.bucket_cap_mb} MB"
+    if flags.bucket_cap_mb is None:
+        probe = [torch.empty(flags.numel, dtype=dtype, device=device)] * flags.count
         caps_mb = [c / 2**20 for c in default_caps(probe, world_size)]
-        args.cap_note = f"{caps_mb[0]:g} MB first, then {caps_mb[-1]:g} MB (fastpar's default on {device.type})"
-    paths = {name: build_path(name, args.count, args.numel, dtype, device, args.bucket_cap_mb) for name in names}
+        cap_note = f"{caps_mb[0]:g} MB first, then {caps_mb[-1]:g} MB (fastpar's default on {device.type})"
+    paths = {name: build_path(name, flags.count, flags.numel, dtype, device, flags.bucket_cap_mb) for name in names}
     wrong: dict[str, int] = {}
     for name, (tensors, call) in paths.items():  # check every path once before timing anything
         _fill(tensors, rank)
@@ -171,24 +175,27 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> BenchRep
     if any(wrong.values()):
         listing = ", ".join(f"{k}: {v} wrong elements" for k, v in wrong.items() if v)
         raise WrongResultError(f"fusion on {world_size} ranks gave wrong results ({listing})")
-    slow = {name: args.slow_iters for name in SLOW_VARIANTS}
+    slow = {name: flags.slow_iters for name in SLOW_VARIANTS}
     seconds = launch.time_on_all_ranks(
         {name: call for name, (_, call) in paths.items()},
-        Plan(args.warmup, args.rounds, args.iters),
+        ctx.plan,
         device,
         iters=slow,
         warmups={name: 0 for name in SLOW_VARIANTS},
     )
-    return _report(args, world_size, dtype, seconds) if rank == 0 else None
+    return _report(ctx, world_size, dtype, seconds, cap_note) if rank == 0 else None
 
 
-def _report(args, world_size: int, dtype: torch.dtype, seconds: dict[str, float]) -> BenchReport:
-    nbytes = args.count * args.numel * torch.empty((), dtype=dtype).element_size()
+def _report(
+    ctx: BenchContext, world_size: int, dtype: torch.dtype, seconds: dict[str, float], cap_note: str
+) -> BenchReport:
+    flags = ctx.flags
+    nbytes = flags.count * flags.numel * torch.empty((), dtype=dtype).element_size()
     single = seconds["single"]
     peer = seconds.get("torch_coalesced")
     rows = []
     for name, t in seconds.items():
-        tensors = 1 if name == "single" else args.count
+        tensors = 1 if name == "single" else flags.count
         rows.append(
             dict(variant=name, tensors=tensors, bytes=nbytes, time_ms=t * 1e3, algbw=bandwidth_gbs(nbytes, t),
                  share_of_single=single / t, vs_torch_coalesced=(t / peer) if peer else None)
@@ -203,35 +210,37 @@ def _report(args, world_size: int, dtype: torch.dtype, seconds: dict[str, float]
         Column("vs_torch_coalesced", "time/torch_coal", 16, ".2f", "x"),
     ]
     footer = [f"floor: single all-reduce of {format_bytes(nbytes)} = {single * 1e3:.2f} ms"]
-    summary = {"share_of_single": {r["variant"]: r["share_of_single"] for r in rows}, "goal_share": GOAL_SHARE}
+    summary = {"share_of_single": {r["variant"]: r["share_of_single"] for r in rows}}
+    goals = []
     if "fastpar_bucketed" in seconds:
-        share = single / seconds["fastpar_bucketed"]
-        verdict = "MET" if share >= GOAL_SHARE else "NOT MET"
-        footer.append(f"goal: fastpar_bucketed >= {GOAL_SHARE:.0%} of single: {share:.1%} -> {verdict}")
-        summary["goal_met"] = share >= GOAL_SHARE
-    footer.append(f"one_by_one and async_one_wait: {args.slow_iters} call(s) per round (--slow-iters)")
+        bucketed = seconds["fastpar_bucketed"]
+        flag = beyond_floor("fastpar_bucketed", bucketed, single, "single")
+        goals.append(BUCKETED_VS_SINGLE.check(single / bucketed, flag=flag))
+    footer.append(f"one_by_one and async_one_wait: {flags.slow_iters} call(s) per round (--slow-iters)")
     return BenchReport(
         benchmark="fusion",
-        title=f"all-reduce of {args.count} tensors x {args.numel} {dtype_name(dtype)}, {world_size} ranks",
+        title=f"all-reduce of {flags.count} tensors x {flags.numel} {dtype_name(dtype)}, {world_size} ranks",
         columns=columns,
         rows=rows,
         header={
-            "backend": args.backend,
+            "backend": ctx.backend,
             "world size": str(world_size),
-            "bucket cap": getattr(args, "cap_note", f"{args.bucket_cap_mb} MB"),
-            "timing": f"median of {args.rounds} interleaved rounds x {args.iters} iters, slowest rank",
+            "bucket cap": cap_note,
+            "timing": f"median of {ctx.rounds} interleaved rounds x {ctx.iters} iters, slowest rank",
         },
         footer=footer,
+        goals=goals,
         summary=summary,
         plot=PlotSpec("bar", "variant", "share_of_single", ylabel="speed as a share of one single tensor"),
     )
 
 
-def run(args: argparse.Namespace) -> BenchReport | None:
-    for flag, value in (("--count", args.count), ("--numel", args.numel), ("--slow-iters", args.slow_iters)):
+def run(ctx: BenchContext) -> BenchReport | None:
+    flags = ctx.flags
+    for flag, value in (("--count", flags.count), ("--numel", flags.numel), ("--slow-iters", flags.slow_iters)):
         if value < 1:
             raise BenchUsageError(f"{flag} must be at least 1, got {value}")
-    _selected(args)
-    if parse_dtype(args.dtype) not in (torch.float32, torch.float16, torch.bfloat16):
-        raise BenchUsageError(f"fusion needs float32, float16 or bfloat16 (fastpar buckets), got {args.dtype}")
-    return launch.run_distributed(_rank_main, args)
+    _selected(flags)
+    if parse_dtype(ctx.dtype) not in (torch.float32, torch.float16, torch.bfloat16):
+        raise BenchUsageError(f"fusion needs float32, float16 or bfloat16 (fastpar buckets), got {ctx.dtype}")
+    return launch.run_distributed(_rank_main, ctx)

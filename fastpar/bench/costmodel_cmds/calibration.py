@@ -25,12 +25,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import ops
-from ..costmodel.perf_profile import CollectiveTable
-from . import launch
-from .collective_cases import distinct_sizes, make_case
-from .collectives import check_and_time
-from .harness import Plan, WrongResultError, count_mismatches, format_bytes
+from ... import ops
+from ...costmodel.perf_profile import CollectiveTable
+from .. import launch
+from ..benchmarks.collective_cases import check_and_time, distinct_sizes, make_case
+from ..harness import Plan, WrongResultError, count_mismatches, format_bytes
 
 CONTENTION_BUCKET_BYTES = 4 << 20  # the all-reduce kept on the wire while backward runs
 MAX_SLOWDOWN = 10.0  # a slowdown estimate beyond 10x (10% speed) is noise from other jobs, not contention

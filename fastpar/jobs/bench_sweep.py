@@ -10,7 +10,9 @@ Every trial is the same job: a fresh process training an MLP with ``fastpar.Trai
                 unpinned, with torch's default thread count
 
 Before timing, every sweep trial's trained parameters must equal the sequential trial with the same seed
-(bit for bit), and every peer trial must finish. Goal (issue 13): sweep <= 1.15 x sequential.
+(bit for bit), and every peer trial must finish. Goal: sweep <= 1.15x sequential; a sweep faster than its
+floor is flagged (IMPOSSIBLE). It lives with the job system it measures; ``fastpar.cli`` registers it with
+``fastpar bench``.
 """
 
 from __future__ import annotations
@@ -23,13 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .harness import BenchUsageError, Plan, WrongResultError, interleaved_rounds, median
-from .table import BenchReport, Column, PlotSpec, goal_line
+from ..bench.context import BenchContext
+from ..bench.goals import AT_MOST, Goal, beyond_floor
+from ..bench.harness import BenchUsageError, Plan, WrongResultError, interleaved_rounds, median
+from ..bench.table import BenchReport, Column, PlotSpec
 
 DESCRIPTION = "parallel trials: fastpar.sweep on one-core slots vs 2 trials in a row vs plain submitit"
 USES: set[str] = set()
 DEFAULTS = {"iters": 1, "warmup": 0, "rounds": 3}
-GOAL = 1.15  # issue 13: a sweep of 4 trials on 2 slots within 1.15x the time of 2 trials in a row
+SWEEP_VS_SEQUENTIAL = Goal("sweep", "sequential", 1.15, AT_MOST)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +48,8 @@ def bench_trial(config: dict[str, Any]) -> dict[str, Any]:
     """One trial: train for exactly ``steps`` steps in this process; the trained parameters."""
     import torch
 
-    from ..jobs import job_dir
     from ..train import Trainer, TrainingOptions
+    from . import job_dir
 
     g = torch.Generator().manual_seed(config["seed"])
     x = torch.randn(config["steps"] * 32, 64, generator=g)
@@ -64,7 +68,7 @@ def bench_trial(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sweep(configs: list[dict], slots: int, root: Path) -> list[dict]:
-    from ..jobs import sweep
+    from . import sweep
 
     folder = Path(tempfile.mkdtemp(prefix="sweep-", dir=root))  # a fresh folder: nothing to resume
     result = sweep(bench_trial, configs, folder=folder, cpus_per_trial=1, max_parallel=slots, cluster="local",
@@ -91,46 +95,47 @@ def _check(sweep_results: list[dict], sequential: list[dict]) -> None:
             raise WrongResultError(f"sweep trial {index} differs from the same trial run alone in: {wrong}")
 
 
-def run(args: argparse.Namespace) -> BenchReport:
+def run(ctx: BenchContext) -> BenchReport:
     from ..host import usable_cpus
 
-    slots = args.slots or len(usable_cpus())
+    flags = ctx.flags
+    slots = flags.slots or len(usable_cpus())
     if not 1 <= slots <= len(usable_cpus()):
         raise BenchUsageError(f"--slots must be between 1 and this process's {len(usable_cpus())} CPU(s), got {slots}")
-    if args.steps < 1 or args.width < 1:
+    if flags.steps < 1 or flags.width < 1:
         raise BenchUsageError("--steps and --width must be at least 1")
-    if args.iters != 1 or "threads" in args.explicit:
+    if ctx.iters != 1 or "threads" in ctx.explicit:
         raise BenchUsageError("sweep times whole sweeps: -n must be 1 and --threads does not apply (slots set threads)")
-    Plan(args.warmup, args.rounds, args.iters)
-    configs = [{"seed": i, "steps": args.steps, "width": args.width} for i in range(2 * slots)]
+    Plan(ctx.warmup, ctx.rounds, ctx.iters)
+    configs = [{"seed": i, "steps": flags.steps, "width": flags.width} for i in range(2 * slots)]
     root = Path(tempfile.mkdtemp(prefix="fastpar-bench-sweep-"))
-    load_before = os.getloadavg()
     try:
-        seconds = _measure(configs, slots, args, root)
+        seconds = _measure(configs, slots, ctx, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)  # every trial's job folder: pickles, logs, metrics
-    return _report(args, slots, len(configs), seconds, load_before, os.getloadavg())
+    return _report(ctx, slots, len(configs), seconds)
 
 
-def _measure(configs: list[dict], slots: int, args: argparse.Namespace, root: Path) -> dict[str, float]:
+def _measure(configs: list[dict], slots: int, ctx: BenchContext, root: Path) -> dict[str, float]:
     """Check the results, then the median seconds of each variant."""
     import torch
 
     sequential = _sweep(configs[:2], 1, root)  # correctness first, on the first two trials
     _check(_sweep(configs, slots, root)[:2], sequential)
     peer = _plain_submitit(configs, root)
-    if len(peer) != len(configs) or any(r["steps"] != args.steps for r in peer):
+    if len(peer) != len(configs) or any(r["steps"] != ctx.flags.steps for r in peer):
         raise WrongResultError("plain submitit trials did not all finish their steps")
     calls = {
         "sequential": lambda: _sweep(configs[:2], 1, root),
         "sweep": lambda: _sweep(configs, slots, root),
         "submitit": lambda: _plain_submitit(configs, root),
     }
-    times = interleaved_rounds(calls, Plan(args.warmup, args.rounds, 1), torch.device("cpu"))
+    times = interleaved_rounds(calls, Plan(ctx.warmup, ctx.rounds, 1), torch.device("cpu"))
     return {name: median(values) for name, values in times.items()}
 
 
-def _report(args, slots: int, trials: int, seconds: dict[str, float], load_before, load_after) -> BenchReport:
+def _report(ctx: BenchContext, slots: int, trials: int, seconds: dict[str, float]) -> BenchReport:
+    flags = ctx.flags
     floor = seconds["sequential"]
     rows = [
         dict(variant="sequential", trials=2, slots=1, seconds=floor, vs_floor=1.0),
@@ -139,9 +144,10 @@ def _report(args, slots: int, trials: int, seconds: dict[str, float], load_befor
              vs_floor=seconds["submitit"] / floor),
     ]  # fmt: skip
     ratio = seconds["sweep"] / floor
+    flag = beyond_floor("sweep", seconds["sweep"], floor, "sequential")
     return BenchReport(
         benchmark="sweep",
-        title=f"{trials} trials on {slots} one-core slot(s) vs 2 trials in a row ({args.steps} steps, width {args.width})",
+        title=f"{trials} trials on {slots} one-core slot(s) vs 2 trials in a row ({flags.steps} steps, width {flags.width})",
         columns=[
             Column("variant", "variant", 11),
             Column("trials", "trials", 7),
@@ -152,15 +158,13 @@ def _report(args, slots: int, trials: int, seconds: dict[str, float], load_befor
         rows=rows,
         header={
             "cpus": f"{os.cpu_count()} online; slots {slots}",
-            "load average": f"{load_before[0]:.2f} before, {load_after[0]:.2f} after (1 min)",
-            "timing": f"median of {args.rounds} interleaved rounds, one whole sweep per call (process starts included)",
+            "timing": f"median of {ctx.rounds} interleaved rounds, one whole sweep per call (process starts included)",
         },
         footer=[
             f"floor: sequential = 2 trials in a row = what {trials} trials on {slots} slots take if the slots are truly parallel",
             f"peer: submitit = {trials} plain submitit local jobs at once, unpinned: {seconds['submitit'] / floor:.2f}x floor",
-            goal_line(f"sweep <= {GOAL:.2f}x sequential", f"{ratio:.2f}x", ratio <= GOAL),
         ],
-        summary={"seconds": seconds, "ratio_sweep_to_sequential": ratio, "goals_met": {f"sweep <= {GOAL}x": ratio <= GOAL},
-                 "loadavg": [load_before[0], load_after[0]]},  # fmt: skip
+        goals=[SWEEP_VS_SEQUENTIAL.check(ratio, flag=flag)],
+        summary={"seconds": seconds, "ratio_sweep_to_sequential": ratio},
         plot=PlotSpec("bar", "variant", "seconds", ylabel="seconds per sweep"),
     )

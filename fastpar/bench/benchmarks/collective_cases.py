@@ -10,6 +10,9 @@ Check values: small integers that depend on the rank and the index, exact in eve
 (int8 and bfloat16 included) at any world size. In a reduction each element gets one "owner" term
 (1..5, from rank ``i % n``) plus a 1 from each of the first 8 ranks, so no sum, partial or final,
 exceeds 13; gathered and exchanged values are 0..61 and say which rank sent them.
+
+:func:`check_and_time` checks one case on every rank and times it: the step the collective benchmarks and
+``fastpar bench calibrate`` share.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .harness import parse_dtype
+from .. import launch
+from ..harness import Plan, count_mismatches, parse_dtype, synchronize
 
 # name -> what the call does, for --help and the table header
 OPS = {
@@ -144,3 +148,21 @@ def case_call(rank: int, world_size: int, name: str, nbytes: int, dtype: str = "
     case.inp.zero_()
     case.out.zero_()
     return case.call
+
+
+def check_and_time(
+    name: str, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int, world_size: int, plan: Plan,
+    *, timed: bool = True,
+) -> tuple[CollectiveCase, int, float | None]:  # fmt: skip
+    """One collective at one size: check every element against the exact result (all ranks agree on the
+    count of wrong ones), then, when right and ``timed``, time it on zeroed buffers (slowest rank's median).
+    Returns ``(case, wrong elements summed over ranks, seconds or None)``."""
+    case = make_case(name, nbytes, dtype, device, rank, world_size)
+    case.call()
+    synchronize(device)
+    wrong = launch.agree_count(count_mismatches(case.out, case.expected), device)
+    if wrong or not timed:
+        return case, wrong, None
+    case.inp.zero_()
+    case.out.zero_()  # timed on zeros: repeated in-place sums never overflow
+    return case, 0, launch.time_on_all_ranks({"op": case.call}, plan, device)["op"]

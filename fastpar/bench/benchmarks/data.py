@@ -15,7 +15,9 @@ the end of its epoch are decoded before, not during, the next pipeline's timing;
 start an epoch with their prefetch queue full (the bare reader runs on, fastpar starts the next pass ahead).
 
 CPU% = (CPU time of this process and its finished children) / wall time x 100, so 200% = two cores busy.
-DALI rows are skipped with a note when DALI is not installed.
+DALI rows are skipped with a note when DALI is not installed. fastpar_dali faster than dali_bare (the floor)
+is flagged, and its goal is IMPOSSIBLE. With an ``s3://`` ``--root`` or ``--local-s3`` the run is
+``data_remote``'s.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import resource
 import shutil
 import tempfile
 import time
@@ -32,15 +33,19 @@ from pathlib import Path
 
 import torch
 
-from .._optional import available
-from .harness import BenchUsageError, Plan, WrongResultError, median
-from .table import BenchReport, Column, PlotSpec, goal_line
+from ..._optional import available
+from ..context import BenchContext
+from ..goals import AT_LEAST, Goal, beyond_floor
+from ..harness import BenchUsageError, Plan, WrongResultError, median
+from ..table import BenchReport, Column, PlotSpec
+from . import data_remote
+from .image_loading import SETTLE_S, check_batch, cpu_seconds
 
 DESCRIPTION = "image loaders: fastpar DALI vs torch DataLoader vs bare DALI pipeline (images/s, CPU%)"
 USES: set[str] = set()
 DEFAULTS = {"iters": 1, "warmup": 1, "rounds": 3}
-SETTLE_S = 0.5  # pause between timed epochs (background prefetch of ~2 batches takes well under this)
-GOALS = (("fastpar_dali", "fastpar_torch", 1.5), ("fastpar_dali", "dali_bare", 0.95))  # issue 6
+DALI_VS_TORCH = Goal("fastpar_dali images/s", "fastpar_torch", 1.5, AT_LEAST)
+DALI_VS_BARE = Goal("fastpar_dali images/s", "dali_bare", 0.95, AT_LEAST)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--image-size", default="500x375", help="generated image WIDTHxHEIGHT (default 500x375)")
     group.add_argument("--images", help="use this class-folder of JPEGs instead of generating one")
     group.add_argument("--root", help="a class folder, or an object-store URL (s3://bucket/prefix) to read against "
-                       "a local copy of it (the goals of issue 14)")  # fmt: skip
+                       "a local copy of it")  # fmt: skip
     group.add_argument("--local-s3", action="store_true", help="serve the generated images from a local moto S3 "
                        "server and read them from it, against the local folder")  # fmt: skip
     group.add_argument("--workers", type=int, default=2, help="DALI threads = DataLoader workers (default 2)")
@@ -61,27 +66,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _cpu_seconds() -> float:
-    """CPU time of this process plus its finished (reaped) children, e.g. DataLoader workers."""
-    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
-def image_folder(args: argparse.Namespace) -> Path:
-    """The folder to read: ``--images``, or a generated one cached by count and size."""
-    if args.images:
-        from ..data import scan_image_folder
+def image_folder(images: str | None, count: int, image_size: str) -> Path:
+    """The folder to read: ``images`` (``--images``), or a generated one cached by count and size."""
+    if images:
+        from ...data import scan_image_folder
 
         try:
-            scan_image_folder(args.images)
+            scan_image_folder(images)
         except (OSError, ValueError) as exc:  # missing, empty, no class folders, no images
             raise BenchUsageError(f"--images: {exc}") from None
-        return Path(args.images)
-    from ..data.synthetic import make_image_folder
+        return Path(images)
+    from ...data.synthetic import make_image_folder
 
-    width, height = _parse_image_size(args.image_size)
+    width, height = _parse_image_size(image_size)
     classes = 4
-    per_class = math.ceil(args.count / classes)
+    per_class = math.ceil(count / classes)
     root = Path(tempfile.gettempdir()) / f"fastpar-bench-images-{classes * per_class}-{width}x{height}"
     if not (root / ".complete").exists():  # generating is slow (seconds per hundred images): once per machine
         # write aside, then rename into place: a concurrent run or a crash never leaves a half-written set
@@ -108,16 +107,16 @@ def _parse_image_size(text: str) -> tuple[int, int]:
 
 
 def _pipelines(
-    root: Path, args: argparse.Namespace, device: torch.device
+    root: Path, flags: argparse.Namespace, device: torch.device
 ) -> tuple[dict[str, Callable], dict[str, int], list[str]]:
     """name -> a call that runs one epoch and returns how many images it produced; name -> how many it
     must produce; skip notes."""
-    from ..data import image_loader, scan_image_folder
+    from ...data import image_loader, scan_image_folder
 
     folder = scan_image_folder(root)
 
     def loader_epoch(backend: str) -> Callable[[], int]:
-        loader = image_loader(root, args.batch, size=args.size, backend=backend, num_threads=args.workers,
+        loader = image_loader(root, flags.batch, size=flags.size, backend=backend, num_threads=flags.workers,
                               device=device, rank=0, world_size=1)  # fmt: skip
         epoch = iter(range(1 << 30))
 
@@ -125,7 +124,7 @@ def _pipelines(
             loader.set_epoch(next(epoch))
             seen = 0
             for images, labels in loader:
-                _check_batch(images, labels, backend, args.size)
+                check_batch(images, labels, backend, flags.size)
                 seen += images.shape[0]
             return seen
 
@@ -135,11 +134,11 @@ def _pipelines(
     produced = {"fastpar_dali": len(folder.files), "fastpar_torch": len(folder.files)}
     notes = []
     if available("nvidia.dali"):
-        from ..data.dali_backend import bare_pipeline
+        from ...data.dali_backend import bare_pipeline
 
-        pipe = bare_pipeline(folder.files, folder.labels, args.batch, args.workers, size=args.size,
+        pipe = bare_pipeline(folder.files, folder.labels, flags.batch, flags.workers, size=flags.size,
                              device_id=device.index if device.type == "cuda" else None)  # fmt: skip
-        steps = math.ceil(len(folder.files) / args.batch)
+        steps = math.ceil(len(folder.files) / flags.batch)
 
         def bare_epoch() -> int:
             seen = 0
@@ -149,7 +148,7 @@ def _pipelines(
             return seen  # the reader wraps around to fill the last batch: those images were decoded too
 
         calls["dali_bare"] = bare_epoch
-        produced["dali_bare"] = steps * args.batch
+        produced["dali_bare"] = steps * flags.batch
         calls["fastpar_dali"] = loader_epoch("dali")
     else:
         notes.append("dali_bare and fastpar_dali skipped: NVIDIA DALI is not installed (pip install 'fastpar[dali]')")
@@ -157,72 +156,70 @@ def _pipelines(
     return calls, produced, notes
 
 
-def _check_batch(images: torch.Tensor, labels: torch.Tensor, backend: str, size: int) -> None:
-    if images.dtype != torch.float32 or tuple(images.shape[1:]) != (3, size, size) or len(labels) != len(images):
-        raise WrongResultError(
-            f"{backend} loader yielded images {tuple(images.shape)} {images.dtype} with {len(labels)} labels; "
-            f"expected (B, 3, {size}, {size}) float32 with B labels"
-        )
-
-
-def run(args: argparse.Namespace) -> BenchReport:
-    for flag, value in (("--count", args.count), ("--workers", args.workers), ("--batch", args.batch)):
+def run(ctx: BenchContext) -> BenchReport:
+    flags = ctx.flags
+    for flag, value in (("--count", flags.count), ("--workers", flags.workers), ("--batch", flags.batch)):
         if value < 1:
             raise BenchUsageError(f"{flag} must be at least 1, got {value}")
-    Plan(args.warmup, args.rounds, args.iters)
-    _parse_image_size(args.image_size)
-    if args.size < 8:
-        raise BenchUsageError(f"--size must be at least 8, got {args.size}")
+    Plan(ctx.warmup, ctx.rounds, ctx.iters)
+    _parse_image_size(flags.image_size)
+    if flags.size < 8:
+        raise BenchUsageError(f"--size must be at least 8, got {flags.size}")
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    from . import data_remote
-
-    if data_remote.wants_remote(args):
-        data_remote.check(args)
-        torch.set_num_threads(args.threads)
-        return data_remote.run(args, device, lambda: image_folder(args))
-    args.images = args.images or args.root
-    root = image_folder(args)
-    torch.set_num_threads(args.threads)
-    calls, produced, notes = _pipelines(root, args, device)
+    if data_remote.wants_remote(flags):
+        data_remote.check(ctx)
+        torch.set_num_threads(ctx.threads)
+        return data_remote.run(ctx, device, lambda: image_folder(None, flags.count, flags.image_size))
+    root = image_folder(flags.images or flags.root, flags.count, flags.image_size)
+    torch.set_num_threads(ctx.threads)
+    calls, produced, notes = _pipelines(root, flags, device)
     for name, call in calls.items():  # correctness first: every pipeline yields the whole folder
         seen = call()
         if seen != produced[name]:
             raise WrongResultError(f"{name} produced {seen} images in one epoch, expected {produced[name]}")
     for call in calls.values():
-        for _ in range(args.warmup):
+        for _ in range(ctx.warmup):
             call()
     samples: dict[str, list[tuple[float, float, int]]] = {name: [] for name in calls}
-    for _ in range(args.rounds):
+    for _ in range(ctx.rounds):
         for name, call in calls.items():
             # DALI pipelines keep decoding a couple of batches ahead after an epoch: let that finish
             # before the next timing starts, so it is not charged to whichever pipeline runs next
             time.sleep(SETTLE_S)
-            wall, cpu, images = time.perf_counter(), _cpu_seconds(), 0
-            for _ in range(args.iters):
+            wall, cpu, images = time.perf_counter(), cpu_seconds(), 0
+            for _ in range(ctx.iters):
                 images += call()
-            samples[name].append((time.perf_counter() - wall, _cpu_seconds() - cpu, images))
-    return _report(args, root, device, samples, produced, notes)
+            samples[name].append((time.perf_counter() - wall, cpu_seconds() - cpu, images))
+    return _report(ctx, root, device, samples, produced, notes)
 
 
-def _report(args, root: Path, device: torch.device, samples, produced: dict[str, int], notes: list[str]) -> BenchReport:
+def _goals(rate: dict[str, float]) -> list:
+    goals = []
+    if "fastpar_dali" in rate and "fastpar_torch" in rate:
+        goals.append(DALI_VS_TORCH.check(rate["fastpar_dali"] / rate["fastpar_torch"]))
+    if "fastpar_dali" in rate and "dali_bare" in rate:
+        # seconds per image: the bare pipeline is the floor of the same decoding
+        flag = beyond_floor("fastpar_dali", 1 / rate["fastpar_dali"], 1 / rate["dali_bare"], "dali_bare")
+        goals.append(DALI_VS_BARE.check(rate["fastpar_dali"] / rate["dali_bare"], flag=flag))
+    return goals
+
+
+def _report(
+    ctx: BenchContext, root: Path, device: torch.device, samples, produced: dict[str, int], notes: list[str]
+) -> BenchReport:
+    flags = ctx.flags
     rate = {name: median([n / wall for wall, _, n in s]) for name, s in samples.items()}
     cpu = {name: median([100.0 * c / wall for wall, c, _ in s]) for name, s in samples.items()}
     rows = []
     for name in samples:
         rows.append(
-            dict(pipeline=name, images=produced[name], threads=args.workers, images_per_s=rate[name],
+            dict(pipeline=name, images=produced[name], threads=flags.workers, images_per_s=rate[name],
                  cpu_percent=cpu[name], vs_bare=rate[name] / rate["dali_bare"] if "dali_bare" in rate else None,
                  vs_torch=rate[name] / rate["fastpar_torch"])
         )  # fmt: skip
-    footer, goals = [], {}
-    for ours, theirs, goal in GOALS:
-        if ours in rate and theirs in rate:
-            ratio = rate[ours] / rate[theirs]
-            goals[f"{ours} / {theirs} >= {goal}"] = ratio >= goal
-            footer.append(goal_line(f"{ours} >= {goal:.2f}x {theirs}", f"{ratio:.2f}x", ratio >= goal))
     return BenchReport(
         benchmark="data",
-        title=f"image loading, decode + random resized crop {args.size} + flip + normalise",
+        title=f"image loading, decode + random resized crop {flags.size} + flip + normalise",
         columns=[
             Column("pipeline", "pipeline", 14),
             Column("images", "images", 7),
@@ -236,12 +233,12 @@ def _report(args, root: Path, device: torch.device, samples, produced: dict[str,
         header={
             "folder": f"{root} ({produced['fastpar_torch']} images)",
             "device": str(device),
-            "batch": str(args.batch),
+            "batch": str(flags.batch),
             "cpus": str(os.cpu_count()),
-            "timing": f"median of {args.rounds} interleaved rounds x {args.iters} epoch(s) after {args.warmup} warm-up",
+            "timing": f"median of {ctx.rounds} interleaved rounds x {ctx.iters} epoch(s) after {ctx.warmup} warm-up",
         },
-        footer=footer,
+        goals=_goals(rate),
         notes=notes,
-        summary={"images_per_s": rate, "cpu_percent": cpu, "goals_met": goals},
+        summary={"images_per_s": rate, "cpu_percent": cpu},
         plot=PlotSpec("bar", "pipeline", "images_per_s", ylabel="images/s"),
     )
