@@ -148,6 +148,15 @@ class DistributedDataParallel(_TorchDDP):
         )
         self._passing_sync_batchnorm_handle(self.module)
 
+    # ---- static graph: the first reducing backward learns the graph --------------------------------
+    def _post_forward(self, output):
+        # torch queues the static graph's first reduction from the backward of the first forward only. When that
+        # backward runs under no_sync() (gradient accumulation), nothing is reduced and nothing learned: re-arm
+        # it for each forward until a reducing backward has learned the graph.
+        if self.static_graph and self.reducer._static_first():
+            self._static_graph_delay_allreduce_enqueued = False
+        return super()._post_forward(output)
+
     # ---- comm hooks: torch registers them through C++, which needs its own Reducer ---------------
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> Future[Tensor]`` (torch's hook contract: the

@@ -95,6 +95,7 @@ class Reducer:
         self.logger = None
         self.graph_static = True  # the set of unused parameters has not changed between iterations
         self._last_unused: frozenset[int] | None = None
+        self._used_map = torch.zeros(len(self.slots), dtype=torch.int32, device=self.device)  # see _get_local_used_map
         self.step = 0
         self.last_stats = {"step": 0, "bytes": 0, "collectives": 0, "wait_s": 0.0, "buckets": len(self.buckets)}
         self.last_stats["finished_early"] = 0
@@ -216,7 +217,10 @@ class Reducer:
             self.auto.freeze(self, "join(): uneven inputs")
 
     def _get_local_used_map(self) -> torch.Tensor:
-        return torch.tensor([int(s.used) for s in self.slots], dtype=torch.int32).to(self.device)
+        """What a joined rank contributes to the used-map all-reduce of a shadowed step: the map of this rank's last
+        reducing backward, as all-reduced then (torch's ``local_used_map_dev_``; the shadow all-reduce updates it in
+        place, as torch's does). Parameters any rank used then count as used, so they get a zero gradient."""
+        return self._used_map
 
     def _get_zeros_like_grad_buckets(self) -> list[GradBucket]:
         if self.bucket_collective is not None:
@@ -453,7 +457,8 @@ class Reducer:
         return all(not self._locally_unused(s) for s in bucket.slots)
 
     def _launch_used_map(self) -> None:
-        used = self._get_local_used_map()
+        used = torch.tensor([int(s.used) for s in self.slots], dtype=torch.int32).to(self.device)
+        self._used_map = used
         self._used_work = (used, dist.all_reduce(used, group=self.group, async_op=True))
 
     # ---- the start and the end of a reducing backward ---------------------------------------------
