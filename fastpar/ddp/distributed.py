@@ -46,8 +46,9 @@ class DistributedDataParallel(_TorchDDP):
     ``.grad`` tensors, ``True`` for exactly torch's ``True``. fastpar's keyword-only ``grad_dtype``
     (``torch.bfloat16``/``torch.float16``) reduces fp32 gradients in that precision. ``bucket_cap_mb="auto"``
     lets fastpar choose the bucket layout from measurements of the first steps (``fastpar.ddp.auto_buckets``;
-    at world size > 2 the results then differ from torch's in the last bits). ``comm_stats()`` reports the
-    last step's communication.
+    at world size > 2 the results then differ from torch's in the last bits); registering a comm hook other than
+    torch's stateless default hooks stops it with the layout then in use (PowerSGD keeps state per bucket index).
+    ``comm_stats()`` reports the last step's communication.
     """
 
     def __init__(

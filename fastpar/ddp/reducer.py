@@ -33,7 +33,7 @@ import torch.distributed as dist
 from . import gradient_path
 from .auto_buckets import AutoBuckets
 from .buckets import ParamSlot, assign_buckets, build_buckets, initial_layout
-from .comm_hooks import GradBucket
+from .comm_hooks import GradBucket, keeps_no_bucket_state
 from .errors import StuckBucketDiagnoser, UnusedParametersError, pg_timeout_seconds
 from .pipeline import FinishQueue
 from .torch_logger import DEFAULT_SAMPLE_RATE, RuntimeTimer, should_collect_runtime_stats
@@ -267,6 +267,8 @@ class Reducer:
                 "reduce-scatters gradients; for bf16 gradient sync pass grad_dtype=torch.bfloat16 to the DDP instead"
             )
         self.comm_hook = (hook, state)
+        if self.auto is not None and not keeps_no_bucket_state(hook):
+            self.auto.freeze(self, "a comm hook was registered: it may keep state per bucket index (PowerSGD)")
 
     def _check_reducer_finalized(self) -> None:
         self._check_health()
