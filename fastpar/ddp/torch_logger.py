@@ -56,10 +56,10 @@ def should_collect_runtime_stats(iteration: int, sample_rate: int) -> bool:
 
 
 class RuntimeTimer:
-    """torch's reducer Timer: when each event of a sampled iteration happened. Host timestamps are nanoseconds since
-    the epoch (torch's ``c10::getTime``); on CUDA, durations come from CUDA events on the current stream."""
-
-    EVENTS = ("forward_start", "backward_compute_start", "backward_compute_end", "backward_comm_start", "backward_comm_end")
+    """torch's reducer Timer: when each event of a sampled iteration happened ("forward_start",
+    "backward_compute_start", "backward_compute_end", "backward_comm_start", "backward_comm_end"). Host timestamps
+    are nanoseconds since the epoch (torch's ``c10::getTime``); on CUDA, durations come from CUDA events on the
+    current stream."""
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
@@ -69,8 +69,9 @@ class RuntimeTimer:
     def record(self, event: str) -> None:
         self.host_ns[event] = time.time_ns()
         if self._cuda:
-            cuda_event = self._cuda_events.setdefault(event, torch.cuda.Event(enable_timing=True))
-            cuda_event.record()
+            if event not in self._cuda_events:
+                self._cuda_events[event] = torch.cuda.Event(enable_timing=True)
+            self._cuda_events[event].record()
 
     def difference_ns(self, start: str, end: str) -> int | None:
         """Nanoseconds from ``start`` to ``end``: None when ``start`` was never recorded; 0 when ``end`` came first
