@@ -22,6 +22,11 @@ fastpar predicts, then verifies. Counted in synchronised backwards (the same cou
    is kept.
 
 Inside ``join()`` (uneven inputs) the joined ranks stop counting steps, so "auto" stops where it is.
+A comm hook registered with ``register_comm_hook`` also stops it where it is, keeping the layout then in use
+(usually fastpar's default, as hooks are registered before training): stateful hooks such as PowerSGD key
+their state by bucket index, so the buckets must not change under them. torch's own rebuild after the first
+step still happens, as with torch's DDP. torch's stateless default hooks (all-reduce, fp16/bf16 compression)
+let "auto" go on.
 At world size > 2 a layout change changes the all-reduce's summation order: the results are no longer
 torch DDP's bits (every rank still holds the same values).
 """

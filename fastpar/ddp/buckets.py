@@ -87,6 +87,12 @@ def assign_buckets(tensors: Sequence[torch.Tensor], order: Sequence[int], caps: 
 def initial_layout(params: Sequence[torch.Tensor], caps: Sequence[int]) -> list[list[int]]:
     """torch DDP's layout before the first backward: assigned in registration order, then the list of
     buckets reversed (members keep registration order), so offsets match torch's bucket for bucket."""
+    torch_assign = getattr(dist, "_compute_bucket_assignment_by_size", None)
+    if torch_assign is not None and caps and min(caps) > 0:
+        # called as torch's constructor calls it, without indices: buckets of several dtypes then come out sorted
+        # by their first member (with indices, as at the rebuild, they do not)
+        indices, _ = torch_assign(list(params), list(caps), [False] * len(params))
+        return [list(bucket) for bucket in reversed(indices)]
     return list(reversed(assign_buckets(params, range(len(params)), caps)))
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from .buckets import Bucket
 
-__all__ = ["GradBucket", "hook_result", "builtin_hook"]
+__all__ = ["GradBucket", "builtin_hook", "hook_result", "keeps_no_bucket_state"]
 
 
 class GradBucket:
@@ -61,6 +61,14 @@ def hook_result(value) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"a comm hook's future must hold a tensor, got {type(value).__name__}")
     return value
+
+
+def keeps_no_bucket_state(hook: Callable) -> bool:
+    """Whether ``hook`` is one of torch's default hooks (all-reduce, fp16/bf16 compression), which hold no state
+    between steps. Any other hook may key state by bucket index (PowerSGD's error feedback and warm start do)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return hook in (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook)
 
 
 def builtin_hook(comm_hook_type) -> Callable:

@@ -46,8 +46,9 @@ class DistributedDataParallel(_TorchDDP):
     ``.grad`` tensors, ``True`` for exactly torch's ``True``. fastpar's keyword-only ``grad_dtype``
     (``torch.bfloat16``/``torch.float16``) reduces fp32 gradients in that precision. ``bucket_cap_mb="auto"``
     lets fastpar choose the bucket layout from measurements of the first steps (``fastpar.ddp.auto_buckets``;
-    at world size > 2 the results then differ from torch's in the last bits). ``comm_stats()`` reports the
-    last step's communication.
+    at world size > 2 the results then differ from torch's in the last bits); registering a comm hook other than
+    torch's stateless default hooks stops it with the layout then in use (PowerSGD keeps state per bucket index).
+    ``comm_stats()`` reports the last step's communication.
     """
 
     def __init__(
@@ -147,6 +148,15 @@ class DistributedDataParallel(_TorchDDP):
             static_graph,
         )
         self._passing_sync_batchnorm_handle(self.module)
+
+    # ---- static graph: the first reducing backward learns the graph --------------------------------
+    def _post_forward(self, output):
+        # torch queues the static graph's first reduction from the backward of the first forward only. When that
+        # backward runs under no_sync() (gradient accumulation), nothing is reduced and nothing learned: re-arm
+        # it for each forward until a reducing backward has learned the graph.
+        if self.static_graph and self.reducer._static_first():
+            self._static_graph_delay_allreduce_enqueued = False
+        return super()._post_forward(output)
 
     # ---- comm hooks: torch registers them through C++, which needs its own Reducer ---------------
     def register_comm_hook(self, state: object, hook: Callable) -> None:

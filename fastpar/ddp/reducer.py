@@ -33,9 +33,10 @@ import torch.distributed as dist
 from . import gradient_path
 from .auto_buckets import AutoBuckets
 from .buckets import ParamSlot, assign_buckets, build_buckets, initial_layout
-from .comm_hooks import GradBucket
+from .comm_hooks import GradBucket, keeps_no_bucket_state
 from .errors import StuckBucketDiagnoser, UnusedParametersError, pg_timeout_seconds
 from .pipeline import FinishQueue
+from .torch_logger import DEFAULT_SAMPLE_RATE, RuntimeTimer, should_collect_runtime_stats
 from .waiting import BucketWaiter, WaitTimer
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
@@ -91,10 +92,17 @@ class Reducer:
         self._static_learned = False
         self._static_unused: frozenset[int] = frozenset()  # globally unused, learned in the first iteration
         self._join: tuple | None = None  # (work, divide_by_initial_world_size) from Join
-        self._runtime_sample_rate = 100
         self.logger = None
-        self.graph_static = True  # the set of unused parameters has not changed between iterations
-        self._last_unused: frozenset[int] | None = None
+        # what torch's logger reads: which parameters were unused (the graph search's, or the static graph's), whether
+        # that set stayed the same, the arrival order and the timer of a sampled iteration
+        self.unused_parameters: list[int] = []
+        self.graph_static = True
+        self.grad_ready_order: list[int] = []
+        self.buckets_reduced = 0  # launched as they became ready in the last reducing backward (torch's count)
+        self.runtime_timer = RuntimeTimer(self.device)
+        self.runtime_sample_rate = DEFAULT_SAMPLE_RATE
+        self._sampled = False  # this iteration's runtime statistics are recorded
+        self._used_map = torch.zeros(len(self.slots), dtype=torch.int32, device=self.device)  # see _get_local_used_map
         self.step = 0
         self.last_stats = {"step": 0, "bytes": 0, "collectives": 0, "wait_s": 0.0, "buckets": len(self.buckets)}
         self.last_stats["finished_early"] = 0
@@ -121,6 +129,9 @@ class Reducer:
     def prepare_for_forward(self) -> None:
         self._check_health()
         self.num_iterations += 1
+        self._sampled = should_collect_runtime_stats(self.num_iterations, self.runtime_sample_rate)
+        if self._sampled:
+            self.runtime_timer.record("forward_start")
         if self.auto is not None:
             self._recorder = self.auto.forward_started()
 
@@ -132,6 +143,10 @@ class Reducer:
             return  # a forward inside a running backward (e.g. checkpointing the whole wrapper): keep its state
         self._check_health()
         self.expect_hooks = True
+        self.buckets_reduced = 0
+        if self._sampled:
+            self.runtime_timer.record("backward_compute_start")
+            self.grad_ready_order = []
         self._remove_outputs_hook()
         if self._dynamic_find():
             tensors = [t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -199,7 +214,10 @@ class Reducer:
             return
         if not self._started:
             self._start_backward()
+        if self._sampled:
+            self.runtime_timer.record("backward_compute_end")
         self._launch_used_map()
+        self.unused_parameters = [s.index for s in self.slots if s.fires == 0]
         for slot in self.slots:
             slot.expected_fires = slot.fires  # 0: unused on this rank from now on
             slot.ready = True
@@ -207,6 +225,7 @@ class Reducer:
             bucket.pending = 0
         self._static_learned = True
         self._launch_ready(queue_finalize=False)
+        self.buckets_reduced = 0  # torch reduces them all at once here, uncounted
         self._finalize()
 
     @torch._disable_dynamo  # called from DDP.forward: opaque to torch.compile, as torch's C++ reducer
@@ -216,7 +235,10 @@ class Reducer:
             self.auto.freeze(self, "join(): uneven inputs")
 
     def _get_local_used_map(self) -> torch.Tensor:
-        return torch.tensor([int(s.used) for s in self.slots], dtype=torch.int32).to(self.device)
+        """What a joined rank contributes to the used-map all-reduce of a shadowed step: the map of this rank's last
+        reducing backward, as all-reduced then (torch's ``local_used_map_dev_``; the shadow all-reduce updates it in
+        place, as torch's does). Parameters any rank used then count as used, so they get a zero gradient."""
+        return self._used_map
 
     def _get_zeros_like_grad_buckets(self) -> list[GradBucket]:
         if self.bucket_collective is not None:
@@ -245,6 +267,8 @@ class Reducer:
                 "reduce-scatters gradients; for bf16 gradient sync pass grad_dtype=torch.bfloat16 to the DDP instead"
             )
         self.comm_hook = (hook, state)
+        if self.auto is not None and not keeps_no_bucket_state(hook):
+            self.auto.freeze(self, "a comm hook was registered: it may keep state per bucket index (PowerSGD)")
 
     def _check_reducer_finalized(self) -> None:
         self._check_health()
@@ -265,7 +289,7 @@ class Reducer:
         self.waiter = BucketWaiter(self.device, pg_timeout_seconds(group, self.device), self.waiter._diagnose)
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
-        self._runtime_sample_rate = sample_rate
+        self.runtime_sample_rate = sample_rate
 
     def set_logger(self, logger) -> None:
         self.logger = logger
@@ -343,6 +367,8 @@ class Reducer:
                 self.rebuild_order.append(slot.index)
             if self._recorder is not None:
                 self._recorder.ready(slot.index)
+            if self._sampled:
+                self.grad_ready_order.append(slot.index)
             grad = slot.param.grad
             if (
                 self._arrival_min is not None
@@ -377,14 +403,17 @@ class Reducer:
 
     def _launch_ready(self, queue_finalize: bool) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            if self._next == 0 and self._sampled:
+                self.runtime_timer.record("backward_comm_start")
             self._launch(self.buckets[self._next])
             self._next += 1
+            self.buckets_reduced += 1
         if self._next == len(self.buckets) and not self._finalize_queued:
             self._finalize_queued = True
             if self._dynamic_find():
                 self._launch_used_map()  # after the buckets, in the same order on every rank
             if queue_finalize:
-                _queue_callback(self._finalize)
+                _queue_callback(self._backward_computed)
 
     def _launch(self, bucket) -> None:
         rest = [s for s in bucket.slots if not s.staged]
@@ -453,7 +482,8 @@ class Reducer:
         return all(not self._locally_unused(s) for s in bucket.slots)
 
     def _launch_used_map(self) -> None:
-        used = self._get_local_used_map()
+        used = torch.tensor([int(s.used) for s in self.slots], dtype=torch.int32).to(self.device)
+        self._used_map = used
         self._used_work = (used, dist.all_reduce(used, group=self.group, async_op=True))
 
     # ---- the start and the end of a reducing backward ---------------------------------------------
@@ -485,9 +515,19 @@ class Reducer:
         if not self._started:
             self._start_backward()
         will_run = torch._C._will_engine_execute_node
-        for slot in self.slots:
-            if not slot.ready and slot.fires == 0 and not will_run(slot.acc):
-                self._mark_ready(slot, arrived=False)
+        unused = [slot for slot in self.slots if not slot.ready and slot.fires == 0 and not will_run(slot.acc)]
+        self._note_unused([slot.index for slot in unused])
+        for slot in unused:
+            self._mark_ready(slot, arrived=False)
+
+    def _note_unused(self, unused: list[int]) -> None:
+        """This iteration's unused parameters, from the graph search. Whether the set changed since the last
+        iteration is torch's ``can_set_static_graph`` (logged once, when it first changes)."""
+        if self.graph_static and self.num_iterations > 1 and unused != self.unused_parameters:
+            self.graph_static = False
+            if self.logger is not None:
+                self.logger.log_if_graph_static(False)
+        self.unused_parameters = unused
 
     def _queue_end_check(self) -> None:
         self._end_check_queued = True
@@ -509,6 +549,12 @@ class Reducer:
         for slot in missing:
             self._mark_ready(slot, arrived=False)  # queues _finalize after this callback
 
+    def _backward_computed(self) -> None:
+        """Queued when the last bucket is launched: runs when autograd's graph task ends."""
+        if self._sampled:
+            self.runtime_timer.record("backward_compute_end")
+        self._finalize()
+
     def _finalize(self) -> None:
         """End of a reducing backward: wait for and finish every bucket, then record and learn."""
         try:
@@ -518,6 +564,8 @@ class Reducer:
             self.timer.start()
             self.finishing.drain(self.buckets, functools.partial(self._finish_bucket, step=self.step))
             self.timer.stop()
+            if self._sampled:
+                self.runtime_timer.record("backward_comm_end")
             self._record_stats()
             if self.auto is not None:
                 self.auto.step_done(self)
@@ -571,10 +619,6 @@ class Reducer:
     def _end_backward(self) -> None:
         if self._used_work is not None:
             self._used_work[1].wait()  # never leave a collective in flight
-        if self._dynamic_find() and self._started:
-            unused = frozenset(s.index for s in self.slots if not s.used)
-            self.graph_static &= self._last_unused is None or unused == self._last_unused
-            self._last_unused = unused
         if self._dynamic_find() or self._static_learned:
             for slot in self.slots:
                 slot.used = False

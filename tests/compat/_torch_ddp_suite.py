@@ -5,7 +5,8 @@ a temp dir with a barrier, ``TestDistBackend`` + ``_DistTestBase``, each test sp
 The only change: every spawned rank replaces ``torch.nn.parallel.DistributedDataParallel`` (the name
 the tests construct, as ``DistributedDataParallel``, ``nn.parallel.…`` or ``torch.nn.parallel.…``)
 by ``fastpar.DistributedDataParallel`` before the test runs, and counts how many fastpar wrappers the
-test built, so a passing test provably ran fastpar's class. ``--impl torch`` runs the same tests on
+test built, so a passing test provably ran fastpar's class. Where a test asserts a torch default that
+fastpar changes by design, fastpar's class gets torch's value explicitly (``EXPLICIT_ARGUMENTS``). ``--impl torch`` runs the same tests on
 stock torch (the baseline: what fails here for reasons that have nothing to do with fastpar).
 
     python tests/compat/_torch_ddp_suite.py --list    # JSON: {test name: why it skips without running, or null}
@@ -55,8 +56,13 @@ torch.backends.cuda.matmul.allow_tf32 = False  # as test_distributed_spawn.py
 
 _COUNT_FILE = "fastpar_ddp_built.rank{rank}"
 
+# Arguments given explicitly to fastpar's class in one test, where the test asserts torch's default and fastpar's
+# default differs by design: gradient_as_bucket_view defaults to None in fastpar (gradients stay bucket views,
+# with the arithmetic of torch's False), and the logging data reports the views.
+EXPLICIT_ARGUMENTS = {"test_ddp_logging_data_cpu": {"gradient_as_bucket_view": False}}
 
-def _swap_in_fastpar() -> None:
+
+def _swap_in_fastpar(test_name: str) -> None:
     """In a spawned rank: make the names torch's tests construct point at fastpar's class.
 
     Only the public name is replaced. ``torch.nn.parallel.distributed.DistributedDataParallel`` stays
@@ -70,11 +76,12 @@ def _swap_in_fastpar() -> None:
 
     cls = fastpar.DistributedDataParallel
     original_init = cls.__init__
+    explicit = EXPLICIT_ARGUMENTS.get(test_name, {})
 
     @functools.wraps(original_init)
     def counting_init(self, *args, **kwargs):
         _built[0] += 1
-        original_init(self, *args, **kwargs)
+        original_init(self, *args, **(explicit | kwargs))
 
     cls.__init__ = counting_init
     torch.nn.parallel.DistributedDataParallel = cls
@@ -105,7 +112,7 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
     @classmethod
     def _run(cls, rank, test_name, file_name, pipe, **kwargs):
         if os.environ[_IMPL_ENV] == "fastpar":
-            _swap_in_fastpar()
+            _swap_in_fastpar(test_name)
         try:
             super()._run(rank, test_name, file_name, pipe, **kwargs)
         finally:  # _run ends in sys.exit: record the count on every way out

@@ -24,7 +24,7 @@ import torch
 
 from fastpar.launcher import RankError, spawn
 
-# Cases that fail with today's fastpar, and why. The DDP reducer rewrite (issue 10) must empty this dict:
+# Cases that fail with today's fastpar, and why (none now):
 # the xfail marks are strict, so a case that starts passing fails until its entry is removed.
 EXPECTED_TO_FAIL_TODAY: dict[str, str] = {}
 

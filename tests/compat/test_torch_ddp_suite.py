@@ -23,15 +23,10 @@ RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_ddp_su
 WORLD_SIZE = "3"  # what torch's CI uses for gloo on a machine without 2 GPUs (run_test.py)
 RUNNER_TIMEOUT_S = 2400
 
-# torch tests that fail with today's fastpar, by root cause. The DDP reducer rewrite (issue 10) shrinks this
-# dict; the xfail marks are strict, so a test that starts passing fails until its entry is removed.
-EXPECTED_TO_FAIL_TODAY = {
-    "test_ddp_logging_data_cpu": (
-        "logging data: asserts the C++ Logger's fields (runtime stats sampled by "
-        "_set_ddp_runtime_logging_sample_rate, rank, dtypes, bucket_sizes, rebuilt bucket indices, env vars, "
-        "host-side timestamps); also gradient_as_bucket_view == 0, where fastpar's default is True by design"
-    ),
-}
+# torch tests that fail with today's fastpar, by root cause (none now). The xfail marks are strict, so a test that
+# starts passing fails until its entry is removed. Where fastpar's default differs from torch's by design, the
+# runner passes torch's value explicitly instead (_torch_ddp_suite.EXPLICIT_ARGUMENTS).
+EXPECTED_TO_FAIL_TODAY: dict[str, str] = {}
 
 # tests whose body never builds a DDP wrapper (so a pass proves nothing about fastpar's class, and says so)
 BUILDS_NO_DDP = {"test_dump_DDP_relevant_env_vars"}

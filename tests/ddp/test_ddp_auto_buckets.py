@@ -329,3 +329,43 @@ def test_a_planning_error_on_rank0_keeps_the_layout_on_every_rank():
     for result in results:
         assert result["auto"]["phase"] == "done" and result["auto"]["kept"] == "current layout"
         assert "planner bug" in result["auto"]["error"]
+
+
+def _stateful_hook_rank(rank: int, world_size: int) -> dict:
+    """PowerSGD (error feedback and warm start keyed by bucket index) under "auto", forced to want one bucket per
+    parameter: registering the hook stops "auto", so PowerSGD runs on the layout torch's DDP uses too."""
+    from ddp_models import train
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    import fastpar
+
+    _short_phases()
+    _force_one_bucket_per_parameter()
+    models = []
+
+    def wrap(cls, **kwargs):
+        def build(module):
+            model = cls(module, **kwargs)
+            state = powersgd.PowerSGDState(
+                process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=0
+            )
+            model.register_comm_hook(state, powersgd.powerSGD_hook)
+            models.append(model)
+            return model
+
+        return build
+
+    ref = train(wrap(torch.nn.parallel.DistributedDataParallel), "mlp", rank, steps=14)
+    got = train(wrap(fastpar.DDP, bucket_cap_mb="auto"), "mlp", rank, steps=14)
+    return {
+        "differ": [k for k in ref if not torch.equal(ref[k], got[k])],
+        "auto": models[-1].reducer.auto.summary(),
+        "layout": models[-1].reducer.layout(),
+    }
+
+
+def test_a_stateful_comm_hook_stops_auto_with_the_layout_it_started_on():
+    for result in spawn(_stateful_hook_rank, 2, timeout=300):
+        assert result["differ"] == [], "differs from torch DDP with the same PowerSGD hook"
+        assert result["auto"]["phase"] == "off" and "comm hook" in result["auto"]["stopped"]
+        assert len(result["layout"]) == 1  # fastpar's default layout for this model, as torch's: one bucket

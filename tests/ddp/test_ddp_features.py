@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -157,3 +158,91 @@ def test_mixed_dtypes_get_separate_buckets(features):
 
 def test_join_with_uneven_inputs_matches_torch():
     assert spawn(_join_rank, 2, timeout=120) == [[], []]
+
+
+def _accumulate_rank(rank: int, world_size: int) -> dict:
+    """Gradient accumulation as accelerate and Fabric run it: forward and backward inside ``no_sync()``, so the
+    very first iteration of a static graph is not synchronised."""
+    from ddp_models import MODELS, Unused, make_input
+
+    import fastpar
+
+    class AlwaysUnused(Unused):  # a static graph with an unused layer: ``never`` stays unused on every step
+        def forward(self, x, step=0, rank=0):
+            return self.out(torch.tanh(self.body(x))) + self.sometimes(x[:, :16])
+
+    torch_ddp = torch.nn.parallel.DistributedDataParallel
+    runs = {
+        "mlp": ("mlp", None),
+        "mlp_three_micro": ("mlp", None),
+        "ckpt_middle_reentrant": ("ckpt_middle_reentrant", None),
+        "unused_layer": ("unused", AlwaysUnused),
+    }
+    out = {}
+    for name, (kind, module_cls) in runs.items():
+        micro = 3 if name == "mlp_three_micro" else 2
+        reference_args = {"find_unused_parameters": True} if module_cls is not None else {}
+        states = []
+        for cls, args in ((torch_ddp, reference_args), (fastpar.DDP, {"static_graph": True})):
+            torch.manual_seed(0)
+            model = cls((module_cls or MODELS[kind])(), **args)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+            gen = torch.Generator().manual_seed(100 + rank)
+            for step in range(6):
+                opt.zero_grad()
+                for m in range(micro):
+                    ctx = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
+                    with ctx:
+                        model(make_input(kind, gen), step=step, rank=rank).square().mean().backward()
+                opt.step()
+            states.append({k: v.detach().clone() for k, v in model.module.state_dict().items()})
+        out[name] = _equal(*states)
+    return out
+
+
+def test_static_graph_whose_first_iteration_is_under_no_sync_matches_torch_without_static_graph():
+    for rank_result in spawn(_accumulate_rank, 2, timeout=300):
+        assert rank_result == {"mlp": [], "mlp_three_micro": [], "ckpt_middle_reentrant": [], "unused_layer": []}
+
+
+def _join_unused_rank(rank: int, world_size: int) -> dict:
+    """join() with find_unused_parameters: rank 0 runs out of batches first. Its last synchronised step used
+    ``sometimes`` (even step), so in the shadowed steps torch counts that layer as used: rank 1 then gets a zero
+    gradient for it (momentum and weight decay move it), where a map of zeros would leave its .grad None."""
+    from ddp_models import Unused
+
+    import fastpar
+
+    steps = {0: 3, 1: 7}[rank]
+    history = []
+    for cls in (torch.nn.parallel.DistributedDataParallel, fastpar.DDP):
+        torch.manual_seed(0)
+        model = cls(Unused(), find_unused_parameters=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+        gen = torch.Generator().manual_seed(rank)
+        snapshots = []
+        with model.join():
+            for step in range(steps):
+                opt.zero_grad()
+                model(torch.randn(8, 16, generator=gen), step=step, rank=rank).square().mean().backward()
+                opt.step()
+                grads = {n: p.grad is None for n, p in model.module.named_parameters()}
+                snapshots.append(({k: v.clone() for k, v in model.module.state_dict().items()}, grads))
+        snapshots.append(({k: v.clone() for k, v in model.module.state_dict().items()}, {}))
+        history.append(snapshots)
+    differ = []
+    for step, ((ref, ref_none), (got, got_none)) in enumerate(zip(*history, strict=True)):
+        differ += [f"step {step}: {k}" for k in _equal(ref, got)]
+        differ += [
+            f"step {step}: {n}.grad is None: torch {ref_none[n]}" for n in ref_none if ref_none[n] != got_none[n]
+        ]
+    torch_run = history[0]  # rank 0 joins after 3 steps: does torch move "sometimes" in the shadowed steps?
+    moved = not torch.equal(torch_run[2][0]["sometimes.weight"], torch_run[-1][0]["sometimes.weight"])
+    return {"differ": differ, "sometimes_moved_in_shadow": moved}
+
+
+def test_join_with_unused_parameters_matches_torch():
+    results = spawn(_join_unused_rank, 2, timeout=180)
+    differ = {f"rank {rank}": r["differ"] for rank, r in enumerate(results) if r["differ"]}
+    assert not differ, f"differs from torch DDP: {differ}"
+    assert results[1]["sometimes_moved_in_shadow"]  # the case exercises the joined rank's used map
