@@ -28,7 +28,7 @@ def describe(target: Any) -> str:
 
 def start_job(payload: bytes, *, kind: str, name: str, what: str, cluster: str, params: dict[str, Any],
               root: str | Path | None = None, folder: Path | None = None, slot: Any = None,
-              result_from: str = "task0") -> JobFuture:  # fmt: skip
+              result_from: str = "task0", threads_from_cores: bool = False) -> JobFuture:  # fmt: skip
     """Submit the packed call to ``cluster`` (resolved) with ``params`` (checked); the job's folder is
     ``folder`` or a new one under the jobs root."""
     if folder is None:
@@ -37,7 +37,7 @@ def start_job(payload: bytes, *, kind: str, name: str, what: str, cluster: str, 
         folder.mkdir(parents=True, exist_ok=True)
         job_id = folder.name
     executor = make_executor(folder, cluster, {**params, "name": params.get("name", name)})
-    job = executor.submit(JobCall(payload, folder.resolve(), slot))
+    job = executor.submit(JobCall(payload, folder.resolve(), slot, threads_from_cores))
     record = JobRecord(
         id=job_id, name=name, kind=kind, cluster=cluster, folder=str(folder.resolve()), cluster_job_id=str(job.job_id),
         num_tasks=job.num_tasks, result_from=result_from, submitted=now_iso(), what=what,
