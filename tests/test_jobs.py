@@ -181,7 +181,7 @@ def test_submit_future_result_callback_progress_and_failure(jobs_dir):
 
 
 def test_cancel_stops_a_running_trainer_and_every_process_it_started(jobs_dir, tmp_path):
-    future = fastpar.submit(long_cpu_training, str(tmp_path / "out"))
+    future = fastpar.submit(long_cpu_training, str(tmp_path / "out"), cluster="local")
     deadline = time.time() + 300
     while future.progress() is None:  # the Trainer has logged a step: agent and both workers are up
         assert not future.done(), future.exception()
@@ -201,6 +201,30 @@ def test_cancel_stops_a_running_trainer_and_every_process_it_started(jobs_dir, t
     assert not orphans, f"orphans of the job's session: {orphans}"
     with pytest.raises(concurrent.futures.CancelledError):
         future.result(timeout=5)
+
+
+def starts_a_daemon(pid_file: str) -> None:
+    """Starts a process in a session of its own whose parent exits at once (a daemon's double fork)."""
+    subprocess.run(["setsid", "sh", "-c", f"sleep 600 & echo $! > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}"],
+                   check=True)  # fmt: skip
+    time.sleep(600)
+
+
+def test_cancel_stops_processes_that_left_the_jobs_session(jobs_dir, tmp_path):
+    pid_file = tmp_path / "daemon.pid"
+    future = fastpar.submit(starts_a_daemon, str(pid_file), cluster="local")
+    deadline = time.time() + 120
+    while not pid_file.exists():
+        assert not future.done(), future.exception()
+        assert time.time() < deadline, "the job never started its daemon"
+        time.sleep(0.2)
+    daemon = proctree.read_proc(int(pid_file.read_text()))
+    assert daemon is not None and daemon.alive
+    leader = int(future.record.cluster_job_id)
+    assert daemon.session != leader and daemon.ppid != leader  # neither in the session nor a child of it
+    assert future.cancel()
+    now = proctree.read_proc(daemon.pid)
+    assert now is None or not now.alive or now.start_ticks != daemon.start_ticks, f"daemon {daemon} still running"
 
 
 # --- batch: survives the submitter, fetched by id -------------------------------------------------------
@@ -275,15 +299,15 @@ def test_bad_input_is_refused_before_anything_is_submitted(jobs_dir, tmp_path):
 
     with pytest.raises(jobs.JobNotFoundError, match="no fastpar job 'deadbeef'"):
         jobs.load("deadbeef")
-    gpus = local_gpus()
+    gpus = local_gpus()  # more than this machine has (on a cluster, the cluster judges: test_jobs_slurm.py)
     with pytest.raises(ValueError, match=f"asks for {gpus + 1} GPU"):
-        fastpar.submit(add, 1, 2, resources={"gpus_per_node": gpus + 1})
+        fastpar.submit(add, 1, 2, resources={"gpus_per_node": gpus + 1}, cluster="local")
     with pytest.raises(ValueError, match=f"asks for {gpus + 2} GPU"):
-        fastpar.batch(add, 1, 2, gpus_per_node=gpus + 2)
+        fastpar.batch(add, 1, 2, gpus_per_node=gpus + 2, cluster="local")
     with pytest.raises(ValueError, match=f"gpus_per_trial={gpus + 1}, but this machine has {gpus} GPU"):
-        fastpar.sweep(add, [1], gpus_per_trial=gpus + 1, folder=tmp_path / "g", live=False)
+        fastpar.sweep(add, [1], gpus_per_trial=gpus + 1, folder=tmp_path / "g", live=False, cluster="local")
     with pytest.raises(ValueError, match="cpus_per_trial=999"):
-        fastpar.sweep(add, [1], cpus_per_trial=999, folder=tmp_path / "c", live=False)
+        fastpar.sweep(add, [1], cpus_per_trial=999, folder=tmp_path / "c", live=False, cluster="local")
     with pytest.raises(ValueError, match="unknown resource 'gpus'"):
         fastpar.submit(add, 1, 2, resources={"gpus": 1})
     with pytest.raises(ValueError, match="non-empty list of configs"):

@@ -22,6 +22,7 @@ pytest.importorskip("submitit")
 import fastpar  # noqa: E402
 from fastpar.jobs import slurm  # noqa: E402
 from fastpar.jobs.future import JobFailedError  # noqa: E402
+from fastpar.jobs.submission import JobSubmitError  # noqa: E402
 from fastpar.launcher import free_port  # noqa: E402
 
 _PROBLEM = slurm.controller_problem()
@@ -144,6 +145,14 @@ def test_a_failing_job_raises_its_own_error(jobs_dir, capfd):
     assert any("Traceback in the job" in note for note in getattr(caught.value, "__notes__", []))
     assert future.state() == "FAILED"
     assert SACCT_WARNING not in "".join(capfd.readouterr())
+
+
+def test_what_the_cluster_cannot_give_is_one_clear_error(jobs_dir):
+    with pytest.raises(JobSubmitError) as caught:  # a petabyte of memory
+        fastpar.submit(sleeping, 1, cluster="slurm", resources={"mem_gb": 1_000_000})
+    message = str(caught.value)
+    assert "\n" not in message and "slurm refused the job 'sleeping'" in message and "mem_gb=1000000" in message
+    assert "Memory specification can not be satisfied" in message
 
 
 @pytest.mark.slow

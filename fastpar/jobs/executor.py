@@ -14,7 +14,8 @@ it, and :mod:`.proctree` can find and stop every process it started.
 
 from __future__ import annotations
 
-import functools
+import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .._optional import require
-from . import slurm
+from . import proctree, slurm
 
 submitit = require("submitit", extra="jobs", purpose="fastpar jobs (sweep, submit, batch)")
 from submitit.local import local as _submitit_local  # noqa: E402 - after the check that names the extra
@@ -132,10 +133,14 @@ class _ControllerSubprocess(types.ModuleType):
     a new session and writes to the job's ``controller.log``, not to the submitter's stdout — a shell's
     ``id=$(python submit.py)`` would otherwise wait for the job to close that pipe."""
 
-    def __init__(self, log: Any) -> None:
+    def __init__(self, log: Any, marker: str) -> None:
         super().__init__("subprocess")
-        self.Popen = functools.partial(subprocess.Popen, start_new_session=True, stdin=subprocess.DEVNULL,
-                                       stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        self._log, self._marker = log, marker
+
+    def Popen(self, *args: Any, env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:  # noqa: N802
+        env = {**(os.environ if env is None else env), proctree.MARKER_ENV: self._marker}
+        return subprocess.Popen(*args, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=self._log,
+                                stderr=subprocess.STDOUT, **kwargs)  # fmt: skip
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
@@ -146,11 +151,16 @@ _SUBMIT_LOCK = threading.Lock()
 
 class SessionLocalExecutor(submitit.LocalExecutor):
     """submitit's LocalExecutor whose job controllers start in sessions of their own, detached from the
-    submitting process's terminal and output."""
+    submitting process's terminal and output, carrying a marker (``process_marker``) in their environment
+    that every process they start inherits, so that cancel finds even those that left the session."""
+
+    process_marker: str | None = None
 
     def _submit_command(self, command: str) -> Any:
+        self.process_marker = secrets.token_hex(8)
         with _SUBMIT_LOCK, open(Path(self.folder) / "controller.log", "ab") as log:
-            _submitit_local.subprocess = _ControllerSubprocess(log)  # seen only by submitit's local module
+            # seen only by submitit's local module
+            _submitit_local.subprocess = _ControllerSubprocess(log, self.process_marker)
             try:
                 return super()._submit_command(command)
             finally:

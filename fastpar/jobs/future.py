@@ -148,7 +148,8 @@ class JobFuture(concurrent.futures.Future):
         if self.record.cluster == "slurm":
             self._job.cancel(check=False)  # scancel: Slurm ends every step of the job
         else:
-            proctree.kill_job(int(self.record.cluster_job_id), self.record.controller_start_ticks)
+            proctree.kill_job(int(self.record.cluster_job_id), self.record.controller_start_ticks,
+                              marker=self.record.process_marker)  # fmt: skip
             self._job.state  # noqa: B018 - reap our child controller, if it is ours
 
     def poll(self) -> bool:
