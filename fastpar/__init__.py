@@ -1,14 +1,14 @@
 """fastpar: fast data-parallel PyTorch training, with its own measurements.
 
-Heavy parts load on first use, so ``import fastpar`` is cheap and never fails because of the
-compiled extension or an optional dependency.
+Heavy parts load on first use, so ``import fastpar`` is cheap (it does not import torch) and never fails
+because of the compiled extension or an optional dependency.
 """
 
 from __future__ import annotations
 
 import importlib
 
-from ._ext import ext_status
+from ._after_import import call_after_import
 
 __version__ = "0.1.0"
 
@@ -29,6 +29,7 @@ __all__ = [
 
 # public name -> (module, attribute), imported when first touched (PEP 562)
 _LAZY = {
+    "ext_status": ("fastpar._ext", "ext_status"),
     "DistributedDataParallel": ("fastpar.ddp", "DistributedDataParallel"),
     "DDP": ("fastpar.ddp", "DistributedDataParallel"),
     "ShardedOptimizer": ("fastpar.ddp", "ShardedOptimizer"),
@@ -43,7 +44,7 @@ _LAZY = {
 
 
 def _register_backend() -> None:
-    """``init_process_group("fastpar")`` works once fastpar is imported (fastpar.comm; cheap, never raises)."""
+    """``init_process_group("fastpar")`` works once fastpar and torch are imported (fastpar.comm; never raises)."""
     import warnings
 
     try:
@@ -54,7 +55,7 @@ def _register_backend() -> None:
         warnings.warn(f"fastpar: could not register the 'fastpar' torch.distributed backend: {exc}", stacklevel=2)
 
 
-_register_backend()
+call_after_import("torch", _register_backend)
 
 
 def __getattr__(name: str):

@@ -26,6 +26,18 @@ COMMANDS = {
 }
 
 
+# FASTPAR_EXT's values (fastpar's kernel loader reads it; checked here without importing torch)
+EXT_MODES = ("auto", "compiled", "cupy", "jit", "torch")
+
+
+def _setting_problem() -> str | None:
+    """A fastpar environment setting with a value nothing would act on, or None."""
+    mode = os.environ.get("FASTPAR_EXT")
+    if mode is not None and mode not in EXT_MODES:
+        return f"FASTPAR_EXT={mode!r} is not one of {'|'.join(EXT_MODES)}; unset it or choose one"
+    return None
+
+
 def _usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: fastpar <command> [options]", "", "commands:"]
@@ -52,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastpar {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
+    if (problem := _setting_problem()) is not None:
+        print(f"fastpar: error: {problem}", file=sys.stderr)
+        return 2
     if name not in COMMANDS:
         choices = ", ".join(COMMANDS)
         print(

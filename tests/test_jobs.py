@@ -28,6 +28,7 @@ from fastpar.jobs.cli import main as jobs_cli  # noqa: E402
 from fastpar.jobs.executor import local_gpus  # noqa: E402
 from fastpar.launcher import spawn  # noqa: E402
 from fastpar.topology import Topology  # noqa: E402
+from fastpar.user_errors import UserError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -278,7 +279,8 @@ def test_jobs_cli_list_status_logs_result_cancel(jobs_dir, capsys):
     assert jobs_cli(["result", bad.id]) == 1 and "KeyError" in capsys.readouterr().err
     assert jobs_cli(["logs", ok.id]) == 0 and "Starting with JobEnvironment" in capsys.readouterr().out
     assert jobs_cli(["cancel", ok.id]) == 0 and "already ended (COMPLETED)" in capsys.readouterr().out
-    assert jobs_cli(["status", "nosuchjob"]) == 2 and "no fastpar job 'nosuchjob'" in capsys.readouterr().err
+    with pytest.raises(UserError, match="no fastpar job .nosuchjob."):
+        jobs_cli(["status", "nosuchjob"])
 
 
 # --- bad input: clear errors before anything is submitted ---------------------------------------------------

@@ -132,8 +132,11 @@ def test_cancel_takes_the_job_off_the_queue(jobs_dir):
     job_id = future.record.cluster_job_id
     _wait_for(lambda: future.state() == "RUNNING", 120, "the job running")
     assert _in_squeue(job_id)
-    assert future.cancel()
+    done = subprocess.run([sys.executable, "-m", "fastpar", "jobs", "cancel", future.id], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and f"job {future.id} cancelled" in done.stdout, done.stdout + done.stderr
     _wait_for(lambda: not _in_squeue(job_id), 60, f"job {job_id} leaving squeue")
+    _wait_for(lambda: future.done(), 30, "the future seeing the cancel")
     assert future.cancelled() and future.state() == "CANCELLED"
     assert slurm.job_state(job_id) in ("CANCELLED", "COMPLETING")
 
