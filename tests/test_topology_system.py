@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fastpar.topology import Topology, build_env, discover, select_devices, sysfs
 from fastpar import cli
+from fastpar.topology import Topology, build_env, discover, select_devices, sysfs
 from fastpar.topology.nvml import NvmlUnavailable, read_nvml
 
 FIXTURES = Path(__file__).parent / "fixtures" / "topo"

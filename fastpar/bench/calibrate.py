@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-from pathlib import Path
 
 import torch
 
@@ -245,8 +244,9 @@ def run(args: argparse.Namespace) -> BenchReport | None:
         raise BenchUsageError(f"--caps must be positive MB, got {args.caps!r}")
     if args.batch < 1 or args.steps < 1:
         raise BenchUsageError("--batch and --steps must be at least 1")
-    if Path(args.profile).is_dir():
-        raise BenchUsageError(f"--profile {args.profile}: is a directory; name a file")
+    from .cli import check_writable
+
+    check_writable(args.profile, "--profile", directory=False)  # before minutes of measuring, not after
     _model_factory(args)  # a bad --model fails here, before any rank starts
     world = launch.resolve_world(args.nproc, args.backend)
     if world.nproc < 2:

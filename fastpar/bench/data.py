@@ -40,7 +40,7 @@ DESCRIPTION = "image loaders: fastpar DALI vs torch DataLoader vs bare DALI pipe
 USES: set[str] = set()
 DEFAULTS = {"iters": 1, "warmup": 1, "rounds": 3}
 SETTLE_S = 0.5  # pause between timed epochs (background prefetch of ~2 batches takes well under this)
-GOALS = (("fastpar_dali", "fastpar_torch", 1.5), ("fastpar_dali", "dali_bare", 0.95))  # issue 6
+GOALS = (("fastpar_dali", "fastpar_torch", 1.5), ("fastpar_dali", "dali_bare", 0.95))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--count", type=int, default=600, help="images to generate (default 600)")
     group.add_argument("--image-size", default="500x375", help="generated image WIDTHxHEIGHT (default 500x375)")
     group.add_argument("--images", help="use this class-folder of JPEGs instead of generating one")
-    group.add_argument("--root", help="a class folder, or an object-store URL (s3://bucket/prefix) to read against "
-                       "a local copy of it (the goals of issue 14)")  # fmt: skip
+    group.add_argument("--root", help="a class folder, or an object-store URL (s3://bucket/prefix): reading it is "
+                       "timed against a local copy of it")  # fmt: skip
     group.add_argument("--local-s3", action="store_true", help="serve the generated images from a local moto S3 "
                        "server and read them from it, against the local folder")  # fmt: skip
     group.add_argument("--workers", type=int, default=2, help="DALI threads = DataLoader workers (default 2)")
@@ -68,15 +68,16 @@ def _cpu_seconds() -> float:
 
 
 def image_folder(args: argparse.Namespace) -> Path:
-    """The folder to read: ``--images``, or a generated one cached by count and size."""
-    if args.images:
+    """The folder to read: ``--images`` (or a local ``--root``), or a generated one cached by count and size."""
+    if args.images or args.root:
         from ..data import scan_image_folder
 
+        flag, folder = ("--images", args.images) if args.images else ("--root", args.root)
         try:
-            scan_image_folder(args.images)
+            scan_image_folder(folder)
         except (OSError, ValueError) as exc:  # missing, empty, no class folders, no images
-            raise BenchUsageError(f"--images: {exc}") from None
-        return Path(args.images)
+            raise BenchUsageError(f"{flag}: {exc}") from None
+        return Path(folder)
     from ..data.synthetic import make_image_folder
 
     width, height = _parse_image_size(args.image_size)
@@ -180,7 +181,6 @@ def run(args: argparse.Namespace) -> BenchReport:
         data_remote.check(args)
         torch.set_num_threads(args.threads)
         return data_remote.run(args, device, lambda: image_folder(args))
-    args.images = args.images or args.root
     root = image_folder(args)
     torch.set_num_threads(args.threads)
     calls, produced, notes = _pipelines(root, args, device)

@@ -31,7 +31,7 @@ from ..data.urls import is_url
 from .harness import BenchUsageError, Plan, WrongResultError, median
 from .table import BenchReport, Column, PlotSpec, goal_line
 
-GOALS = (("s3", 0.60), ("s3_cached", 0.95))  # issue 14: of the local-folder throughput, same backend
+GOALS = (("s3", 0.60), ("s3_cached", 0.95))  # of the local-folder throughput, same backend
 
 
 def _server_cpu(server) -> float:

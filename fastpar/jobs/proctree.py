@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 MARKER_ENV = "FASTPAR_JOB_MARKER"
 
 
