@@ -76,6 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     return _run(name, rest, debug)
 
 
+def _interrupted_line(said: str) -> str:
+    """"interrupted", with what the interrupted code said about it (which may begin with the word itself)."""
+    said = " ".join(said.split())
+    if not said:
+        return "interrupted"
+    return said if said.lower().startswith(("interrupted", "sweep interrupted")) else f"interrupted ({said})"
+
+
 def _run(name: str, argv: list[str], debug: bool) -> int:
     """Run one subcommand; user errors become one line and exit status 2."""
     try:
@@ -83,7 +91,7 @@ def _run(name: str, argv: list[str], debug: bool) -> int:
             module = importlib.import_module(COMMANDS[name][0])
             return int(module.main(argv) or 0)
     except KeyboardInterrupt as exc:
-        print(f"fastpar {name}: interrupted{f' ({exc})' if str(exc) else ''}", file=sys.stderr)
+        print(f"fastpar {name}: {_interrupted_line(str(exc))}", file=sys.stderr)
         return 130
     except Exception as exc:
         line = describe(exc, argv)

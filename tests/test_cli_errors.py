@@ -151,8 +151,13 @@ def test_bench_mistakes_are_one_line_with_status_2_before_measuring(argv, expect
     assert not (tmp_path / "missing").exists()  # a missing output folder is refused, not made
 
 
-def test_s3_mistakes_are_one_line_with_status_2(capsys, monkeypatch, tmp_path):
+def test_s3_mistakes_are_one_line_with_status_2_and_leave_no_temporary_folders(capsys, monkeypatch, tmp_path):
     pytest.importorskip("boto3")
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     endpoint = f"http://127.0.0.1:{_closed_port()}"
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
@@ -169,6 +174,7 @@ def test_s3_mistakes_are_one_line_with_status_2(capsys, monkeypatch, tmp_path):
     code, err = run_cli(["bench", "data", "--root", "s3://bucket/images"], capsys)
     assert code == 2 and len(err) == 1, err
     assert "no AWS credentials found" in err[0]
+    assert list(scratch.iterdir()) == []  # the bench's scratch folder went with the failed run
 
 
 def test_an_image_root_one_level_too_high_gets_a_warning_naming_the_folder(tmp_path):
@@ -191,3 +197,35 @@ def test_help_texts_carry_no_issue_numbers(capsys):
     assert cli.main(["bench", "data", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--root" in out and "issue" not in out.lower()
+
+
+@pytest.mark.parametrize(
+    "raised, expected",
+    [
+        (KeyboardInterrupt(), "fastpar fake: interrupted"),
+        (KeyboardInterrupt("interrupted; the worker processes were stopped"),
+         "fastpar fake: interrupted; the worker processes were stopped"),
+        (KeyboardInterrupt("the checkpoint was saved"), "fastpar fake: interrupted (the checkpoint was saved)"),
+    ],
+)  # fmt: skip
+def test_ctrl_c_says_interrupted_once(monkeypatch, capsys, raised, expected):
+    _fake_command(monkeypatch, raised)
+    code, err = run_cli(["fake"], capsys)
+    assert code == 130 and err == [expected]
+
+
+def _parsers():
+    from fastpar.jobs.cli import _parser as jobs_parser
+    from fastpar.topology.cli import _parser as topo_parser
+    from fastpar.train.demo import _parser as demo_parser
+
+    return {"demo": demo_parser(), "jobs": jobs_parser(), "topo": topo_parser()}
+
+
+@pytest.mark.parametrize("command", ["demo", "jobs", "topo"])
+def test_help_is_plain_text_and_every_flag_says_what_it_does(command):
+    parser = _parsers()[command]
+    text = parser.format_help()
+    assert "``" not in text and ":func:" not in text and ":class:" not in text, text
+    silent = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+    assert not silent, f"fastpar {command} flags without help: {silent}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -67,16 +68,16 @@ def run(args: argparse.Namespace, device: torch.device, local_folder: Callable[[
 
     if args.local_s3 and args.root:
         raise BenchUsageError("--local-s3 serves generated images; drop --root (or drop --local-s3 to read --root)")
-    work = Path(tempfile.mkdtemp(prefix="fastpar-bench-s3-"))
+    work = Path(tempfile.mkdtemp(prefix="fastpar-bench-s3-"))  # the local copy and the cache: removed at the end
     server, notes, saved_env = None, [], dict(os.environ)
-    if args.local_s3:
-        root = local_folder()
-        server = LocalS3({"fastpar-bench": root}).start()
-        os.environ.update(server.env())  # this process's clients (boto3 and DALI's) go to the local server
-        url = "s3://fastpar-bench"
-    else:
-        url, root = args.root, _download(args.root, work / "local")
     try:
+        if args.local_s3:
+            root = local_folder()
+            server = LocalS3({"fastpar-bench": root}).start()
+            os.environ.update(server.env())  # this process's clients (boto3 and DALI's) go to the local server
+            url = "s3://fastpar-bench"
+        else:
+            url, root = args.root, _download(args.root, work / "local")
         backends = (["dali"] if available("nvidia.dali") else []) + ["torch"]
         common = dict(size=args.size, num_threads=args.workers, device=device, rank=0, world_size=1)
         loaders = {}
@@ -109,9 +110,10 @@ def run(args: argparse.Namespace, device: torch.device, local_folder: Callable[[
         return _report(args, url, root, device, samples, loaders, server is not None, notes)
     finally:
         if server is not None:
-            server.stop()
+            server.close()
             os.environ.clear()
             os.environ.update(saved_env)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _settle(server, quiet_s: float = 1.0, limit_s: float = 30.0) -> None:
