@@ -354,3 +354,29 @@ def test_bench_sweep_refuses_bad_flags(capsys):
     assert "--slots must be between 1 and" in capsys.readouterr().err
     assert bench_main(["sweep", "-n", "3"]) == 2
     assert "-n must be 1" in capsys.readouterr().err
+
+
+def test_sweep_record_and_table_show_the_same_epoch(tmp_path):
+    from fastpar.jobs.channel import PROGRESS_FILE
+    from fastpar.jobs.live import LiveTable
+    from fastpar.jobs.results import COMPLETED, Trial, record_of
+    from fastpar.train.trainer import TrainingResult
+
+    # the last step a Trainer logs in its 4th (last) epoch: metrics.jsonl counts epochs from 0
+    step = {"state": "iteration", "epoch": 3, "iteration": 40, "loss": 0.5, "accuracy": 0.8, "val_loss": 0.6,
+            "val_accuracy": 0.75, "lr": 0.01, "elapsed": 3.0, "samples_per_s": 900.0, "max_epochs": 4,
+            "total_steps": 40}  # fmt: skip
+    trainer_folder, report_folder = tmp_path / "trainer", tmp_path / "report"
+    for folder, record in ((trainer_folder, step), (report_folder, {"time": 1.0, "epoch": 3, "value": 2.0})):
+        folder.mkdir()
+        (folder / PROGRESS_FILE).write_text(json.dumps(record) + "\n")
+    result = TrainingResult(None, [step], None, None, [], False, steps=40, elapsed=3.0)
+    trained = Trial(0, "a", {"lr": 0.1}, trainer_folder, state=COMPLETED, result=result)
+    reported = Trial(1, "b", {"lr": 0.2}, report_folder, state=COMPLETED, result=2.0)
+    table = LiveTable([trained, reported], live=False)
+    epoch_column = 4
+    for trial in (trained, reported):
+        record = record_of(trial, json.loads((trial.folder / PROGRESS_FILE).read_text()))
+        assert str(record["epoch"]) == table.row(trial)[epoch_column]
+    assert record_of(trained, step)["epoch"] == 4  # as the Trainer's progress bar says: epoch 4 of 4
+    assert record_of(reported, {"epoch": 3, "value": 2.0})["epoch"] == 3  # a reported epoch stays as given
