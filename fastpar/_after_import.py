@@ -8,14 +8,15 @@ otherwise the moment torch's own import completes (an import hook that removes i
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import sys
 from collections.abc import Callable
 from typing import Any
 
+# The finder and loader below follow importlib's protocols without subclassing importlib.abc: importing that
+# module alone costs more than the rest of ``import fastpar``.
 
-class _CallAfterLoad(importlib.abc.Loader):
+
+class _CallAfterLoad:
     """Wraps the module's real loader: executes the module, then calls ``callback``."""
 
     def __init__(self, loader: Any, callback: Callable[[], None]) -> None:
@@ -33,13 +34,15 @@ class _CallAfterLoad(importlib.abc.Loader):
         return getattr(self._loader, name)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     def __init__(self, name: str, callback: Callable[[], None]) -> None:
         self.name, self.callback = name, callback
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if fullname != self.name:
             return None
+        import importlib.util
+
         sys.meta_path.remove(self)  # once: the real finders answer from here on
         spec = importlib.util.find_spec(fullname)
         if spec is not None and spec.loader is not None:

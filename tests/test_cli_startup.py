@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TOPO = ROOT / "tests" / "fixtures" / "topo" / "a100_8x_nv12_17nics_bond.txt"
 BUDGET_S = 0.5
 HEAVY = ("torch", "numpy")
+TRIES = 3  # the budget holds for the quickest of these runs: a burst of load on a shared machine is not an import
 
 # runs the command as the console script does, then reports what it imported
 PROBE = """
@@ -52,14 +53,19 @@ def import_seconds(importtime_lines: list[str]) -> tuple[float, list[tuple[float
 def test_command_does_not_import_torch_and_fits_the_import_budget(argv, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "FASTPAR_JOBS_DIR": str(tmp_path / "jobs")}  # fmt: skip
-    done = subprocess.run([sys.executable, "-X", "importtime", "-c", PROBE.format(heavy=HEAVY), *argv],
-                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
-    lines = done.stderr.splitlines()
-    assert done.returncode == 0, "\n".join(line for line in lines if not line.startswith("import time:"))
-    heavy = next(line for line in lines if line.startswith("HEAVY")).split()[1:]
-    assert heavy == [], f"fastpar {' '.join(argv)} imported {heavy}"
-    seconds, slowest = import_seconds(lines)
-    assert seconds <= BUDGET_S, f"imports took {seconds:.2f} s (budget {BUDGET_S} s); slowest: {slowest}"
+    runs = []
+    for _ in range(TRIES):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-c", PROBE.format(heavy=HEAVY), *argv],
+                              capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+        lines = done.stderr.splitlines()
+        assert done.returncode == 0, "\n".join(line for line in lines if not line.startswith("import time:"))
+        heavy = next(line for line in lines if line.startswith("HEAVY")).split()[1:]
+        assert heavy == [], f"fastpar {' '.join(argv)} imported {heavy}"
+        runs.append(import_seconds(lines))
+        if runs[-1][0] <= BUDGET_S:
+            return
+    seconds, slowest = min(runs)
+    assert seconds <= BUDGET_S, f"imports took {seconds:.2f} s at best of {TRIES} (budget {BUDGET_S} s); slowest: {slowest}"
 
 
 def test_the_budget_sees_a_torch_import():

@@ -51,10 +51,12 @@ def _summary(value: Any) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from .future import JobFuture
     from .store import jobs_root, list_jobs
 
     records = list_jobs(args.dir)
+    if records:  # their states need submitit's job files: imported only when there are jobs to ask about
+        from .future import JobFuture
+
     rows = [(r, JobFuture(r, watch=False).state()) for r in records]
     if args.json:
         for record, state in rows:
