@@ -31,8 +31,8 @@ class BuildPyWithSources(build_py):
 
 
 def _build_config():
-    """fastpar/_build.py, loaded by path: importing the package would need it built already."""
-    spec = importlib.util.spec_from_file_location("_fastpar_build", ROOT / "fastpar" / "_build.py")
+    """fastpar/ops/build.py, loaded by path: importing the package would need it built already."""
+    spec = importlib.util.spec_from_file_location("_fastpar_build", ROOT / "fastpar" / "ops" / "build.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)

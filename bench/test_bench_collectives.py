@@ -9,4 +9,4 @@ import pytest
 @pytest.mark.parametrize("name", ["allreduce", "allgather", "reducescatter", "broadcast", "alltoall"])
 def test_collective(two_ranks, benchmark, name, nbytes):
     benchmark.group = f"collective {nbytes} B"
-    two_ranks("fastpar.bench.collective_cases:case_call", (name, nbytes))
+    two_ranks("fastpar.bench.benchmarks.collective_cases:case_call", (name, nbytes))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from fastpar.bench.ddp_step import available_variants
+from fastpar.bench.benchmarks.ddp_step import available_variants
 
 
 @pytest.mark.parametrize("variant", available_variants()[0])
 def test_ddp_step(two_ranks, benchmark, variant):
     benchmark.group = "ddp step blocks"
-    two_ranks("fastpar.bench.ddp_step:step_call", (variant, "blocks"), rounds=3, warmup=1)
+    two_ranks("fastpar.bench.benchmarks.ddp_step:step_call", (variant, "blocks"), rounds=3, warmup=1)

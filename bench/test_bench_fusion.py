@@ -9,4 +9,4 @@ import pytest
 @pytest.mark.parametrize("path", ["torch_coalesced", "fastpar_bucketed", "fastpar_views", "single"])
 def test_fusion(two_ranks, benchmark, path):
     benchmark.group = "fusion 4000x1K"
-    two_ranks("fastpar.bench.fusion:path_call", (path, 4000, 1024, 25.0))
+    two_ranks("fastpar.bench.benchmarks.fusion:path_call", (path, 4000, 1024, 25.0))

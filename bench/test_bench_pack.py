@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastpar.bench.pack import DEFAULT_SHAPES, pack_variants, parse_shapes, shape_name
+from fastpar.bench.benchmarks.pack import DEFAULT_SHAPES, pack_variants, parse_shapes, shape_name
 
 
 @pytest.mark.parametrize("shape", parse_shapes(DEFAULT_SHAPES), ids=lambda s: shape_name(*s))

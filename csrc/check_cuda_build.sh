@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Proves the CUDA build compiles and links without a GPU: nvcc on csrc/cuda/*.cu alone (no torch headers), then
+# Proves the CUDA build compiles and links without a GPU: nvcc on csrc/ops/cuda/*.cu alone (no torch headers), then
 # setup.py's CUDAExtension against a CUDA build of torch, imported from a scratch copy of the package.
 #
 # Usage: csrc/check_cuda_build.sh PYTHON        (or FASTPAR_CUDA_PYTHON=PYTHON csrc/check_cuda_build.sh)
@@ -24,7 +24,7 @@ first_arch=${TORCH_CUDA_ARCH_LIST%%[;, ]*}
 sm="sm_${first_arch//./}"
 sm="${sm%+PTX}"
 echo "== nvcc standalone ($sm)"
-for cu in "$ROOT"/csrc/cuda/*.cu; do
+for cu in "$ROOT"/csrc/ops/cuda/*.cu; do
   "$NVCC" -std=c++17 -O3 --fmad=false -arch="$sm" -c "$cu" -o "$WORK/$(basename "$cu").o"
 done
 

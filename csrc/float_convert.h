@@ -1,4 +1,4 @@
-// fp32 <-> bf16/fp16 conversions shared by the CPU kernels (cpu_kernels.cpp, shm_reduce.cpp): bit-exact with
+// fp32 <-> bf16/fp16 conversions shared by the CPU kernels (ops/cpu_kernels.cpp, shm/reduce.cpp): bit-exact with
 // c10::BFloat16 / c10::Half (round to nearest even) and fast, with the CPU features picked at run time.
 #pragma once
 

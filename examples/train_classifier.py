@@ -7,7 +7,7 @@
 
 Models, optimizer factories and loss functions are defined at module level: the Trainer sends them to
 its worker processes, which import this file to rebuild them (hence the ``__main__`` guard).
-README.md shows this file from ``import argparse`` on (tests/test_readme.py keeps the two the same).
+docs/guide/trainer.md includes this file as it is, and tests/test_docs.py runs it.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ from __future__ import annotations
 import importlib
 
 from ._after_import import call_after_import
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = [
     "DDP",
@@ -29,10 +28,10 @@ __all__ = [
 
 # public name -> (module, attribute), imported when first touched (PEP 562)
 _LAZY = {
-    "ext_status": ("fastpar._ext", "ext_status"),
     "DistributedDataParallel": ("fastpar.ddp", "DistributedDataParallel"),
     "DDP": ("fastpar.ddp", "DistributedDataParallel"),
-    "ShardedOptimizer": ("fastpar.ddp", "ShardedOptimizer"),
+    "ShardedOptimizer": ("fastpar.zero", "ShardedOptimizer"),
+    "ext_status": ("fastpar.ops.loader", "ext_status"),
     "Trainer": ("fastpar.train", "Trainer"),
     "TrainingOptions": ("fastpar.train", "TrainingOptions"),
     "ops": ("fastpar.ops", None),

@@ -1,3 +1,5 @@
+"""``python -m fastpar``: the same command line as the ``fastpar`` script."""
+
 import sys
 
 from .cli import main

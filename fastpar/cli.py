@@ -16,14 +16,23 @@ import traceback
 
 from .user_errors import describe, one_line_argparse_errors
 
-# name -> (module with main(argv), one-line help)
+# name -> (module with main(argv), or "module:function", one-line help)
 COMMANDS = {
     "info": ("fastpar.info", "versions of torch/CUDA/NCCL/DALI and which kernel backend is live"),
     "topo": ("fastpar.topology.cli", "GPU/NVLink/PCIe/NUMA/NIC topology, best-k GPU selection, NCCL settings"),
-    "bench": ("fastpar.bench.cli", "microbenchmarks: collectives, fusion, pack kernels, DDP step, data loaders"),
+    "bench": ("fastpar.cli:bench_main", "microbenchmarks: collectives, fusion, pack kernels, DDP step, data loaders"),
     "demo": ("fastpar.train.demo", "generate a small image set and train a CNN on it with the Trainer"),
     "jobs": ("fastpar.jobs.cli", "background and batch jobs: list, status, logs, result, cancel"),
 }
+# benchmarks that live above fastpar.bench (which must not import them), added to its table: name -> module
+UPPER_BENCHMARKS = {"sweep": "fastpar.jobs.bench_sweep"}
+
+
+def bench_main(argv: list[str]) -> int:
+    """``fastpar bench``: the bench package's benchmarks plus the ones that live above it."""
+    from .bench.cli import BENCHMARKS, main
+
+    return main(argv, benchmarks={**BENCHMARKS, **UPPER_BENCHMARKS})
 
 
 # FASTPAR_EXT's values (fastpar's kernel loader reads it; checked here without importing torch)
@@ -59,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from . import __version__
+        from ._version import __version__
 
         print(f"fastpar {__version__}")
         return 0
@@ -88,8 +97,9 @@ def _run(name: str, argv: list[str], debug: bool) -> int:
     """Run one subcommand; user errors become one line and exit status 2."""
     try:
         with one_line_argparse_errors():
-            module = importlib.import_module(COMMANDS[name][0])
-            return int(module.main(argv) or 0)
+            module_name, _, function = COMMANDS[name][0].partition(":")
+            entry = getattr(importlib.import_module(module_name), function or "main")
+            return int(entry(argv) or 0)
     except KeyboardInterrupt as exc:
         print(f"fastpar {name}: {_interrupted_line(str(exc))}", file=sys.stderr)
         return 130

@@ -57,7 +57,7 @@ def _torch_cuda_build() -> str | None:
 
 def collect_without_probe() -> dict:
     """What ``fastpar info --no-probe`` prints: no torch import, no kernel loading, no CUDA."""
-    from . import __version__
+    from ._version import __version__
 
     drivers = Path("/proc/driver/nvidia/gpus")
     return {
@@ -80,7 +80,8 @@ def collect() -> dict:
     import torch
     import torch.distributed as dist
 
-    from . import __version__, ext_status
+    from ._version import __version__
+    from .ops.loader import ext_status
 
     dali = _dali_version()
     cuda_ok = torch.cuda.is_available()

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .host import under_torchrun
+
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective waiting longer than this fails instead of hanging
 SPAWN_COLLECTIVE_TIMEOUT_S = 120.0  # tests and benchmarks: fail sooner
 LOOPBACK = "127.0.0.1"
@@ -60,7 +62,7 @@ def loopback_env(port: int, rank: int | None = None, world_size: int | None = No
 
 def launched_by_torchrun() -> bool:
     """True in a worker started by torchrun / the elastic agent (its rank comes from the environment)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return under_torchrun()
 
 
 def set_threads(threads: int | None) -> None:

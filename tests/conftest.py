@@ -35,9 +35,9 @@ def no_process_group():
 def fresh_loader(monkeypatch):
     """Lets a test re-run fastpar's extension loader under its own conditions (returns ``monkeypatch`` to set
     them); the real state is restored afterwards."""
-    from fastpar import _ext
+    from fastpar.ops import loader
 
-    _ext._reset_for_tests()
+    loader._reset_for_tests()
     yield monkeypatch
     monkeypatch.undo()
-    _ext._reset_for_tests()
+    loader._reset_for_tests()

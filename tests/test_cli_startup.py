@@ -77,7 +77,8 @@ def test_the_budget_sees_a_torch_import():
 
 
 def test_a_wrong_kernel_setting_is_an_error_not_ignored(capsys, monkeypatch):
-    from fastpar import _ext, cli
+    from fastpar import cli
+    from fastpar.ops import loader as _ext
 
     assert cli.EXT_MODES == _ext._MODES  # the command checks the values the loader knows
     monkeypatch.setenv("FASTPAR_EXT", "bogus")

@@ -27,7 +27,7 @@ def _load(path: Path, name: str) -> types.ModuleType:
     return module
 
 
-build = _load(ROOT / "fastpar" / "_build.py", "_fastpar_build_under_test")
+build = _load(ROOT / "fastpar" / "ops" / "build.py", "_fastpar_build_under_test")
 readme_check = _load(ROOT / "scripts" / "check-readme-install.py", "_readme_install_check")
 
 

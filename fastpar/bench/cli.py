@@ -2,8 +2,12 @@
 
 Each benchmark module offers ``DESCRIPTION``, ``USES`` (which shared flags apply: ``sizes``, ``nproc``,
 ``dtype``), ``DEFAULTS`` (its own defaults for the shared flags), ``add_arguments(parser)`` and
-``run(args) -> BenchReport | None``; optionally ``DTYPE_CHOICES`` (the dtypes it takes) and
+``run(ctx: BenchContext) -> BenchReport | None``; optionally ``DTYPE_CHOICES`` (the dtypes it takes) and
 ``describe(name)`` (a line per benchmark name, when one module serves several).
+
+Benchmarks are found by name in a name -> module table: :data:`BENCHMARKS` holds the ones in this
+package; a layer above (``fastpar.cli``) passes a larger table for benchmarks that live above ``bench``
+(the sweep benchmark is in ``fastpar.jobs``), so this package never imports upward.
 
 Exit status: 0 ok, 1 wrong results or a failed run (no speed is printed), 2 bad flags. Every error is
 one line on stderr that says what is wrong and what to do; under torchrun only rank 0 prints.
@@ -18,12 +22,14 @@ import os
 import shlex
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 
 from .._optional import available
 from ..launcher import launched_by_torchrun
 from ..user_errors import UserError, describe
+from .context import BenchContext
 from .harness import (
     DTYPES,
     BenchUsageError,
@@ -34,22 +40,23 @@ from .harness import (
     parse_dtype,
     size_sweep,
 )
+from .machine import load_average, load_lines
 from .table import BenchReport, render_table, write_json, write_plot
 
+# name -> module: the benchmarks of this package (fastpar.cli adds those that live above it)
 BENCHMARKS = {
-    "allreduce": "fastpar.bench.collectives",
-    "reducescatter": "fastpar.bench.collectives",
-    "allgather": "fastpar.bench.collectives",
-    "broadcast": "fastpar.bench.collectives",
-    "alltoall": "fastpar.bench.collectives",
-    "fusion": "fastpar.bench.fusion",
-    "pack": "fastpar.bench.pack",
-    "ddp": "fastpar.bench.ddp_step",
-    "zero": "fastpar.bench.zero",
-    "data": "fastpar.bench.data",
-    "sweep": "fastpar.bench.sweep",
-    "calibrate": "fastpar.bench.calibrate",
-    "simulate": "fastpar.bench.simulate",
+    "allreduce": "fastpar.bench.benchmarks.collectives",
+    "reducescatter": "fastpar.bench.benchmarks.collectives",
+    "allgather": "fastpar.bench.benchmarks.collectives",
+    "broadcast": "fastpar.bench.benchmarks.collectives",
+    "alltoall": "fastpar.bench.benchmarks.collectives",
+    "fusion": "fastpar.bench.benchmarks.fusion",
+    "pack": "fastpar.bench.benchmarks.pack",
+    "ddp": "fastpar.bench.benchmarks.ddp_step",
+    "zero": "fastpar.bench.benchmarks.zero",
+    "data": "fastpar.bench.benchmarks.data",
+    "calibrate": "fastpar.bench.costmodel_cmds.calibrate",
+    "simulate": "fastpar.bench.costmodel_cmds.simulate",
     "all": "fastpar.bench.report",
 }
 # Defaults of the shared flags; a benchmark's DEFAULTS override them. The flags themselves default to
@@ -66,6 +73,7 @@ SHARED_DEFAULTS = {
     "threads": 1,
 }
 _SIZE_FLAGS = {"min_bytes", "max_bytes", "factor"}
+_OUTPUT_FLAGS = ("nproc", "json", "plot")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -80,9 +88,9 @@ def _description(name: str, module: ModuleType) -> str:
     return describe(name) if describe else module.DESCRIPTION
 
 
-def _usage() -> str:
+def _usage(benchmarks: Mapping[str, str]) -> str:
     lines = ["usage: fastpar bench <benchmark> [flags]", "", "benchmarks:"]
-    for name, module_name in BENCHMARKS.items():
+    for name, module_name in benchmarks.items():
         lines.append(f"  {name:<14} {_description(name, importlib.import_module(module_name))}")
     lines += [
         "",
@@ -130,37 +138,49 @@ def build_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
     return parser
 
 
-def _validate(name: str, module: ModuleType, args: argparse.Namespace) -> None:
-    """Fill in defaults, record the flags given in ``args.explicit`` and refuse what cannot work, before
-    any rank starts."""
+def _context(name: str, module: ModuleType, parsed: argparse.Namespace, command: str) -> BenchContext:
+    """The shared flags with defaults filled in and checked, the benchmark's own flags apart, and the flags
+    given recorded; refuses what cannot work, before any rank starts."""
     shared = {**SHARED_DEFAULTS, **module.DEFAULTS}
-    args.explicit = {key for key in [*shared, "nproc", "json", "plot"] if getattr(args, key, None) is not None}
-    for key, value in shared.items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
+    values = vars(parsed)
+    explicit = frozenset(key for key in [*shared, *_OUTPUT_FLAGS] if values.get(key) is not None)
+    own = argparse.Namespace(**{k: v for k, v in values.items() if k not in shared and k not in _OUTPUT_FLAGS})
+    resolved = {key: default if values.get(key) is None else values[key] for key, default in shared.items()}
+    ctx = BenchContext(
+        benchmark=name,
+        command=command,
+        flags=own,
+        explicit=explicit,
+        **resolved,
+        nproc=values.get("nproc"),
+        json=values.get("json"),
+        plot=values.get("plot"),
+        load_before=load_average(),
+    )
     uses = module.USES
     if "sizes" in uses:
-        args.sizes = size_sweep(parse_bytes(args.min_bytes), parse_bytes(args.max_bytes), args.factor)
-    elif args.explicit & _SIZE_FLAGS:
+        ctx.sizes = size_sweep(parse_bytes(ctx.min_bytes), parse_bytes(ctx.max_bytes), ctx.factor)
+    elif explicit & _SIZE_FLAGS:
         raise BenchUsageError(
             f"{name} does not sweep sizes, so -b/-e/-f do not apply; see its --help for its own flags"
         )
     if "nproc" not in uses:
-        if args.nproc not in (None, 1):
-            raise BenchUsageError(f"{name} runs in one process; --nproc {args.nproc} does not apply (drop it)")
-        if args.explicit & {"backend"}:
+        if ctx.nproc not in (None, 1):
+            raise BenchUsageError(f"{name} runs in one process; --nproc {ctx.nproc} does not apply (drop it)")
+        if explicit & {"backend"}:
             raise BenchUsageError(f"{name} runs in one process; --backend does not apply")
     allowed = getattr(module, "DTYPE_CHOICES", None) if "dtype" in uses else (DTYPES["float32"],)
-    parse_dtype(args.dtype, allowed, user=name)
-    Plan(args.warmup, args.rounds, args.iters)
-    if args.threads < 1:
-        raise BenchUsageError(f"--threads must be at least 1, got {args.threads}")
+    parse_dtype(ctx.dtype, allowed, user=name)
+    Plan(ctx.warmup, ctx.rounds, ctx.iters)
+    if ctx.threads < 1:
+        raise BenchUsageError(f"--threads must be at least 1, got {ctx.threads}")
     as_dirs = getattr(module, "OUTPUTS_ARE_DIRECTORIES", False)
     for flag in ("json", "plot"):
-        if getattr(args, flag):
-            check_writable(getattr(args, flag), f"--{flag}", as_dirs)
-    if args.plot and not available("matplotlib"):
+        if getattr(ctx, flag):
+            check_writable(getattr(ctx, flag), f"--{flag}", as_dirs)
+    if ctx.plot and not available("matplotlib"):
         raise BenchUsageError("--plot needs matplotlib, which is not installed: pip install 'fastpar[bench]'")
+    return ctx
 
 
 def check_writable(path_text: str, flag: str, directory: bool) -> None:
@@ -185,54 +205,60 @@ def check_writable(path_text: str, flag: str, directory: bool) -> None:
         raise BenchUsageError(f"{flag} {path_text}: not writable ({exc.strerror}: {exc.filename})") from None
 
 
-def prepare(name: str, argv: list[str]) -> tuple[ModuleType, argparse.Namespace | None]:
-    """The benchmark's module and its checked arguments; ``None`` arguments when ``--help`` was printed."""
-    if name not in BENCHMARKS:
-        raise BenchUsageError(f"unknown benchmark {name!r}; choose one of {', '.join(BENCHMARKS)}")
-    module = importlib.import_module(BENCHMARKS[name])
+def prepare(
+    name: str, argv: list[str], benchmarks: Mapping[str, str] = BENCHMARKS
+) -> tuple[ModuleType, BenchContext | None]:
+    """The benchmark's module and its checked context; ``None`` when ``--help`` was printed."""
+    if name not in benchmarks:
+        raise BenchUsageError(f"unknown benchmark {name!r}; choose one of {', '.join(benchmarks)}")
+    module = importlib.import_module(benchmarks[name])
     parser = build_parser(name, module)
     try:
-        args = parser.parse_args(argv)
+        parsed = parser.parse_args(argv)
     except SystemExit:  # --help printed
         return module, None
-    args.benchmark = name
-    args.command = shlex.join(["fastpar", "bench", name, *argv])
-    _validate(name, module, args)
-    return module, args
+    return module, _context(name, module, parsed, shlex.join(["fastpar", "bench", name, *argv]))
 
 
-def finish(report: BenchReport, args: argparse.Namespace) -> BenchReport:
-    """Stamp a report with what produced it, so its JSON describes itself."""
+def finish(report: BenchReport, ctx: BenchContext) -> BenchReport:
+    """Stamp a report with what produced it, so its JSON describes itself, and with the machine's load: a
+    machine busier than its cores slows every number, which the reader must be told."""
     from .machine import machine_facts
 
-    hidden = ("json", "plot", "explicit", "command")
-    report.config = {k: v for k, v in vars(args).items() if k not in hidden}
-    report.command = args.command
+    report.config = ctx.config()
+    report.command = ctx.command
     report.created = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     report.machine = machine_facts()
+    load_after = load_average()
+    header, warning = load_lines(ctx.load_before, load_after)
+    report.header["load average"] = header
+    report.machine["load_before"], report.machine["load_after"] = ctx.load_before, load_after
+    if warning:
+        report.warnings.append(warning)
     return report
 
 
-def emit(report: BenchReport, args: argparse.Namespace) -> None:
+def emit(report: BenchReport, ctx: BenchContext) -> None:
     """Print the table and write the ``--json`` / ``--plot`` files the user asked for."""
-    finish(report, args)
+    finish(report, ctx)
     print(render_table(report), flush=True)
-    if args.json:
-        print(f"# wrote {write_json(report, args.json)}")
-    if args.plot:
-        print(f"# wrote {write_plot(report, args.plot)}")
+    if ctx.json:
+        print(f"# wrote {write_json(report, ctx.json)}")
+    if ctx.plot:
+        print(f"# wrote {write_plot(report, ctx.plot)}")
 
 
 def _is_leader() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, benchmarks: Mapping[str, str] = BENCHMARKS) -> int:
+    """``fastpar bench``; ``benchmarks`` is the name -> module table to run from (default: this package's)."""
     from ..launcher import RankError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(_usage())
+        print(_usage(benchmarks))
         return 0
     name, leader = argv[0], _is_leader()
 
@@ -242,14 +268,14 @@ def main(argv: list[str] | None = None) -> int:
         return status
 
     try:
-        module, args = prepare(name, argv[1:])
-        if args is None:
+        module, ctx = prepare(name, argv[1:], benchmarks)
+        if ctx is None:
             return 0
         if launched_by_torchrun() and "nproc" not in module.USES and not leader:
             return 0  # a one-process benchmark under torchrun runs on rank 0 alone
-        report = module.run(args)
+        report = module.run(ctx)
         if report is not None:
-            emit(report, args)
+            emit(report, ctx)
     except BenchUsageError as exc:
         return fail("error", exc, 2)
     except WrongResultError as exc:  # from 'all': some benchmarks failed, the others' results stand

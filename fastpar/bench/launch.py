@@ -3,7 +3,7 @@ through :mod:`fastpar.launcher`.
 
 Backend: gloo on CPU; NCCL when CUDA is available and every rank gets its own GPU; ``fastpar`` (fastpar's
 shared-memory backend, CPU) when asked for, with a gloo group over the same ranks as the peer. A benchmark's
-per-rank function is ``fn(rank, world_size, args) -> BenchReport | None`` (rank 0 returns the report);
+per-rank function is ``fn(rank, world_size, ctx, *settings) -> BenchReport | None`` (rank 0 returns the report);
 it raises :class:`WrongResultError` on every rank alike (ranks agree first with :func:`agree_count`),
 so no rank is left waiting in a collective.
 """
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..launcher import join_process_group, launched_by_torchrun, set_threads, spawn
+from .context import BenchContext
 from .harness import BenchUsageError, Plan, WrongResultError, interleaved_rounds, median
 
 BACKENDS = ("auto", "gloo", "nccl", "fastpar")
@@ -129,15 +130,15 @@ class _Wrong:
     message: str
 
 
-def _rank_entry(rank: int, world_size: int, fn: Callable[..., Any], args: Any) -> Any:
+def _rank_entry(rank: int, world_size: int, fn: Callable[..., Any], args: tuple) -> Any:
     try:
-        return fn(rank, world_size, args)
+        return fn(rank, world_size, *args)
     except WrongResultError as exc:
         return _Wrong(str(exc))
 
 
-def run_ranks(fn: Callable[..., Any], args: Any, world: World, *, threads: int = 1, timeout: float = 3600.0) -> Any:
-    """Run ``fn(rank, world_size, args)`` on every rank; return rank 0's value (None on other
+def run_ranks(fn: Callable[..., Any], world: World, *args: Any, threads: int = 1, timeout: float = 3600.0) -> Any:
+    """Run ``fn(rank, world_size, *args)`` on every rank; return rank 0's value (None on other
     torchrun ranks). Raises :class:`WrongResultError` when the ranks found a wrong result."""
     if world.external:
         value = _run_external(fn, args, world, threads)
@@ -148,15 +149,16 @@ def run_ranks(fn: Callable[..., Any], args: Any, world: World, *, threads: int =
     return value
 
 
-def run_distributed(rank_main: Callable[..., Any], args: Any) -> Any:
-    """The ``run(args)`` of a multi-rank benchmark: check ``--nproc``/``--backend``, record the backend
-    chosen in ``args.backend``, run ``rank_main(rank, world_size, args)`` on every rank, return rank 0's value."""
-    world = resolve_world(args.nproc, args.backend)
-    args.backend = world.backend
-    return run_ranks(rank_main, args, world, threads=args.threads)
+def run_distributed(rank_main: Callable[..., Any], ctx: BenchContext, *settings: Any) -> Any:
+    """The ``run(ctx)`` of a multi-rank benchmark: check ``--nproc``/``--backend``, record the backend
+    chosen in ``ctx.backend``, run ``rank_main(rank, world_size, ctx, *settings)`` on every rank, return rank
+    0's value."""
+    world = resolve_world(ctx.nproc, ctx.backend)
+    ctx.backend = world.backend
+    return run_ranks(rank_main, world, ctx, *settings, threads=ctx.threads)
 
 
-def _run_external(fn: Callable[..., Any], args: Any, world: World, threads: int) -> Any:
+def _run_external(fn: Callable[..., Any], args: tuple, world: World, threads: int) -> Any:
     rank = int(os.environ["RANK"])
     set_threads(threads)
     if world.backend == "nccl":

@@ -1,11 +1,39 @@
-"""The machine a benchmark ran on: written into every JSON and at the top of ``fastpar bench all``'s summary."""
+"""The machine a benchmark ran on: written into every JSON and at the top of ``fastpar bench all``'s summary,
+and how busy it was: the load average against the CPUs this process may use, with a warning when other work
+competed for them.
+"""
 
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 from pathlib import Path
 from typing import Any
+
+from ..host import usable_cpu_count
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (runnable processes, machine-wide); None where the OS has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def load_lines(before: float | None, after: float | None) -> tuple[str, str | None]:
+    """The header text of the load around a run, and a warning when the machine was busier than the CPUs this
+    process may use before the run started (the run's own ranks add to the load after it)."""
+    cpus = usable_cpu_count()
+    shown = ", ".join(f"{v:.2f} {w}" for v, w in ((before, "before"), (after, "after")) if v is not None)
+    header = f"{shown or 'unknown'} (1 min) on {cpus} usable CPU{'s' if cpus != 1 else ''}"
+    if before is not None and before > cpus:
+        return header, (
+            f"the machine was busier than its {cpus} usable CPU(s) before this run (load {before:.2f}): other work "
+            "competed for the cores, so times are slower and verdicts unreliable; re-run on a quiet machine"
+        )
+    return header, None
 
 
 def cpu_model() -> str:

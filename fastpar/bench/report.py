@@ -20,6 +20,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from .context import BenchContext
 from .harness import BenchUsageError, WrongResultError
 from .table import BenchReport, render_table, write_json, write_plot
 
@@ -67,52 +68,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def benchmark_argv(name: str, args: argparse.Namespace) -> list[str]:
+def benchmark_argv(name: str, ctx: BenchContext) -> list[str]:
     """The flags ``all`` runs benchmark ``name`` with: quick (or none with --full), then the user's shared flags."""
     from .cli import BENCHMARKS
 
     uses = importlib.import_module(BENCHMARKS[name]).USES
-    argv = [] if args.full else list(QUICK[name])
-    given = set(args.explicit)
+    argv = [] if ctx.flags.full else list(QUICK[name])
+    given = set(ctx.explicit)
     if given & {"min_bytes", "max_bytes", "factor"}:
         given |= {"min_bytes", "max_bytes", "factor"}  # a sweep is passed on whole: -b 1K -e 2K means -f 2 too
     for dest, (flag, needs) in _FORWARDED.items():
         if dest in given and (needs is None or needs in uses):
-            argv += [flag, str(getattr(args, dest))]
+            argv += [flag, str(getattr(ctx, dest))]
     return argv
 
 
 def _run_one(name: str, argv: list[str]) -> BenchReport:
     from .cli import finish, prepare
 
-    module, args = prepare(name, argv)
-    return finish(module.run(args), args)
+    module, ctx = prepare(name, argv)
+    return finish(module.run(ctx), ctx)
 
 
 def _verdicts(report: BenchReport) -> list[str]:
-    """The footer lines a reader looks for first: goals and floors."""
-    return [line for line in report.footer if line.startswith(("goal", "floor", "Avg bus"))]
+    """The lines a reader looks for first: floors, goal verdicts and warnings."""
+    lines = [line for line in report.footer if line.startswith(("floor", "Avg bus"))]
+    return lines + [v.line() for v in report.goals] + [f"warning: {w}" for w in report.warnings]
 
 
-def run(args: argparse.Namespace) -> None:
+def run(ctx: BenchContext) -> None:
     from ..launcher import launched_by_torchrun
     from .machine import machine_facts, machine_markdown
 
     if launched_by_torchrun():
         raise BenchUsageError("run 'fastpar bench all' without torchrun: it spawns the ranks of each benchmark itself")
-    if not args.json:
+    if not ctx.json:
         raise BenchUsageError("'all' needs --json DIR: the folder for one JSON per benchmark and summary.md")
-    names = list(QUICK) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
+    only = ctx.flags.only
+    names = list(QUICK) if not only else [n.strip() for n in only.split(",") if n.strip()]
     unknown = [n for n in names if n not in QUICK]
     if unknown or not names:
         raise BenchUsageError(f"unknown benchmark(s) {unknown} in --only; choose from {', '.join(QUICK)}")
-    out_dir = Path(args.json)
+    out_dir = Path(ctx.json)
     out_dir.mkdir(parents=True, exist_ok=True)
     facts = machine_facts()
     (out_dir / "machine.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
     sections, glance, failures = [], [], []
     for name in names:
-        argv = benchmark_argv(name, args)
+        argv = benchmark_argv(name, ctx)
         command = " ".join(["fastpar bench", name, *argv])
         print(f"# running: {command}", flush=True)
         try:
@@ -130,8 +133,8 @@ def run(args: argparse.Namespace) -> None:
         table = render_table(report)
         print(table, flush=True)
         write_json(report, out_dir / f"{name}.json")
-        if args.plot:
-            write_plot(report, Path(args.plot) / f"{name}.png")
+        if ctx.plot:
+            write_plot(report, Path(ctx.plot) / f"{name}.png")
         glance += [f"- **{name}**: {line}" for line in _verdicts(report)]
         sections.append(f"## {name}\n\nCommand: `{command}`\n\n```text\n{table}\n```\n")
     summary = ["# fastpar bench report", "", "## Machine", "", machine_markdown(facts), ""]

@@ -6,9 +6,13 @@ and ``fastpar bench all`` (report.py) collects them into a Markdown summary. The
     {"schema": "fastpar.bench/1", "benchmark": str, "title": str, "command": str, "created": ISO time,
      "fastpar": version, "machine": {cpu_model, cpu_count, gpus, torch, nccl, ...},
      "header": {str: str}, "columns": [{"key", "title", "unit"}], "rows": [{key: value}],
-     "summary": {...}, "footer": [str], "notes": [str], "config": {flag: value}}
+     "summary": {..., "goals": [{name, value, threshold, direction, unit, met, flagged, flag}],
+                 "goals_met": bool | null}, "footer": [str], "warnings": [str], "notes": [str],
+     "config": {flag: value}}
 
-Numbers are plain JSON numbers (seconds-derived values in the column's unit); inf/nan become null.
+Every summary has ``goals`` (the declared goals checked in this run, ``fastpar.bench.goals``) and
+``goals_met`` (all of them met; null when none was checked). Numbers are plain JSON numbers
+(seconds-derived values in the column's unit); inf/nan become null.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from .._optional import require
+from .goals import Verdict
+from .goals import summary as goals_summary
 
 SCHEMA = "fastpar.bench/1"
 
@@ -55,6 +61,8 @@ class BenchReport:
     rows: list[dict[str, Any]] = field(default_factory=list)
     header: dict[str, str] = field(default_factory=dict)
     footer: list[str] = field(default_factory=list)
+    goals: list[Verdict] = field(default_factory=list)  # printed after the footer, listed in the summary
+    warnings: list[str] = field(default_factory=list)  # e.g. a machine busier than its cores
     notes: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
@@ -75,16 +83,12 @@ class BenchReport:
             "header": dict(self.header),
             "columns": [{"key": c.key, "title": c.title, "unit": c.unit} for c in self.columns],
             "rows": [{c.key: _json_value(row.get(c.key)) for c in self.columns} | _extra(row) for row in self.rows],
-            "summary": {k: _json_value(v) for k, v in self.summary.items()},
+            "summary": {k: _json_value(v) for k, v in (self.summary | goals_summary(self.goals)).items()},
             "footer": list(self.footer),
+            "warnings": list(self.warnings),
             "notes": list(self.notes),
             "config": {k: _json_value(v) for k, v in self.config.items()},
         }
-
-
-def goal_line(claim: str, measured: str, met: bool) -> str:
-    """The footer line of a goal from the issues: ``goal: <claim>: <measured> -> MET|NOT MET``."""
-    return f"goal: {claim}: {measured} -> {'MET' if met else 'NOT MET'}"
 
 
 def _json_value(value: Any) -> Any:
@@ -115,13 +119,16 @@ def format_cell(value: Any, column: Column) -> str:
 
 
 def render_table(report: BenchReport) -> str:
-    """The printed form: ``# header`` lines, the column titles, one line per row, then ``# footer`` lines."""
+    """The printed form: ``# header`` lines, the column titles, one line per row, then ``# footer`` lines, the
+    goal verdicts, warnings and notes."""
     lines = [f"# fastpar bench {report.benchmark}: {report.title}"]
     lines += [f"# {key}: {value}" for key, value in report.header.items()]
     lines.append("#")
     lines.append(" ".join(c.title.rjust(c.width) for c in report.columns))
     lines += [" ".join(format_cell(row.get(c.key), c) for c in report.columns) for row in report.rows]
     lines += [f"# {line}" for line in report.footer]
+    lines += [f"# {verdict.line()}" for verdict in report.goals]
+    lines += [f"# warning: {warning}" for warning in report.warnings]
     lines += [f"# note: {note}" for note in report.notes]
     return "\n".join(lines)
 

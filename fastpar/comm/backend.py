@@ -2,14 +2,19 @@
 
 ``torch.distributed`` calls :func:`_create_backend` for every group that uses the backend. It builds a gloo
 backend (for everything the shared-memory path does not do, and for groups that span hosts) and fastpar's C++
-``ShmBackend`` around it, then the ranks agree through the group's store whether they share one /dev/shm:
+``ShmBackend`` around it, then the ranks agree through the group's store whether they share one /dev/shm. torch
+hands a group re-created after ``destroy_process_group()`` the same store prefix, with the last instance's keys
+still in it, so every key lives under the instance's generation: each rank counts itself in on one store counter,
+and since a rank leaves the rendezvous only after all ranks counted themselves in, instance g is counts
+g * size + 1 .. (g + 1) * size on every rank.
 
 1. every rank publishes a host key (hostname, boot id, user, the /dev/shm mount);
 2. rank 0 checks they are all equal, removes segments crashed jobs left, creates the segment (0600, pages
    reserved) and publishes its name and a random token;
 3. every rank maps it and checks the token (same memory, not just the same name), and reports;
-4. rank 0 unlinks the name once all reported. If any rank could not attach, every rank falls back to gloo
-   (the same decision everywhere, from the same reports), and the reason is kept: :func:`shm_status`.
+4. rank 0 unlinks the name once all reported, or as soon as the rendezvous fails (a rank died in it): no name
+   is left in /dev/shm. If any rank could not attach, every rank falls back to gloo (the same decision everywhere,
+   from the same reports), and the reason is kept: :func:`shm_status`.
 """
 
 from __future__ import annotations
@@ -24,12 +29,12 @@ import warnings
 
 import torch
 
-from .. import _ext
+from ..ops import loader
 from .segments import SHM_DIR, segment_name, sweep_stale_segments
 
 BACKEND_NAME = "fastpar"
-MAX_RANKS = 64  # csrc/shm_segment.h kMaxRanks
-MAX_BUFFERS = 62  # csrc/shm_segment.h kMaxBuffers
+MAX_RANKS = 64  # csrc/shm/segment.h kMaxRanks
+MAX_BUFFERS = 62  # csrc/shm/segment.h kMaxBuffers
 _KEY = "fastpar_shm/"
 _log = logging.getLogger("fastpar.comm")
 
@@ -49,7 +54,7 @@ def staging() -> tuple[int, int]:
 
 def is_available() -> bool:
     """Whether this installation can run the shared-memory path (Linux, /dev/shm, the compiled extension)."""
-    ext = _ext.extension()
+    ext = loader.extension()
     return ext is not None and hasattr(ext, "ShmBackend") and SHM_DIR.is_dir()
 
 
@@ -91,25 +96,49 @@ def _why_not(host_keys: list[str]) -> str:
     return ""
 
 
-def _rendezvous(backend, ext, store, rank: int, size: int, group: str) -> str:
-    """Steps 1-4 of the module docstring. Returns '' when every rank attached, else the shared reason."""
-    store.set(f"{_KEY}host/{rank}", _host_key())
-    if rank == 0:
-        plan = {"name": "", "token": 0, "reason": _why_not([store.get(f"{_KEY}host/{r}").decode() for r in range(size)])}
-        if not plan["reason"]:
-            sweep_stale_segments()
-            plan["name"], plan["token"] = segment_name(group), secrets.randbits(63)
-            try:
-                ext.shm_create(plan["name"], size, *staging(), plan["token"])
-            except RuntimeError as exc:
-                plan["name"], plan["reason"] = "", f"cannot create the shared-memory segment: {exc}"
-        store.set(f"{_KEY}plan", json.dumps(plan))
-    plan = json.loads(store.get(f"{_KEY}plan"))
-    outcome = plan["reason"] or backend.attach(plan["name"], plan["token"])
-    store.set(f"{_KEY}attached/{rank}", outcome)
-    outcomes = [store.get(f"{_KEY}attached/{r}").decode() for r in range(size)]
-    if rank == 0 and plan["name"]:
-        ext.shm_unlink(plan["name"])  # everyone mapped it or gave up: no name left to leak
+def _generation(store, size: int) -> int:
+    """Which instance of the group on this store this is (module docstring): the same number on every rank."""
+    return (store.add(f"{_KEY}instances", 1) - 1) // size
+
+
+def _gather(store, key: str, ranks: range, me: int, what: str) -> list[str]:
+    """The value of ``key``/r of every rank r in ``ranks``; one that never wrote it (it died, or hangs) is named in
+    the error."""
+    try:
+        return [store.get(f"{key}/{r}").decode() for r in ranks]
+    except Exception as exc:  # the store's timeout: DistStoreError, or RuntimeError from older torch
+        missing = [r for r in ranks if not store.check([f"{key}/{r}"])]
+        raise RuntimeError(
+            f"fastpar backend, rank {me}: rank(s) {missing} did not {what} in init_process_group within the "
+            f"store's timeout (did they die or stop?). Restart all ranks together. ({exc})"
+        ) from exc
+
+
+def _rendezvous(backend, ext, store, key: str, rank: int, size: int, group: str) -> str:
+    """Steps 1-4 of the module docstring, under this instance's ``key``. Returns '' when every rank attached, else
+    the shared reason."""
+    store.set(f"{key}host/{rank}", _host_key())
+    plan = {"name": ""}
+    try:
+        if rank == 0:
+            hosts = _gather(store, f"{key}host", range(size), rank, "publish its host")
+            plan = {"name": "", "token": 0, "reason": _why_not(hosts)}
+            if not plan["reason"]:
+                sweep_stale_segments()
+                plan["name"], plan["token"] = segment_name(group), secrets.randbits(63)
+                try:
+                    ext.shm_create(plan["name"], size, *staging(), plan["token"])
+                except RuntimeError as exc:
+                    plan["name"], plan["reason"] = "", f"cannot create the shared-memory segment: {exc}"
+            store.set(f"{key}plan/0", json.dumps(plan))
+        else:
+            plan = json.loads(_gather(store, f"{key}plan", range(1), rank, "create the shared memory")[0])
+        outcome = plan["reason"] or backend.attach(plan["name"], plan["token"])
+        store.set(f"{key}attached/{rank}", outcome)
+        outcomes = _gather(store, f"{key}attached", range(size), rank, "report whether it mapped the shared memory")
+    finally:
+        if rank == 0 and plan["name"]:
+            ext.shm_unlink(plan["name"])  # everyone mapped it, gave up, or died: no name left to leak
     reason = plan["reason"] or "; ".join(f"rank {r}: {text}" for r, text in enumerate(outcomes) if text)
     if reason:
         backend.detach(reason)  # the same decision on every rank, from the same reports
@@ -123,18 +152,19 @@ def _create_backend(opts, backend_options=None):
     store, rank, size, timeout = opts.store, opts.group_rank, opts.group_size, opts.timeout
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(seconds=float(timeout))
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-    ext = _ext.extension()
+    generation = _generation(store, size)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"gloo/{generation}/", store), rank, size, timeout)
+    ext = loader.extension()
     if ext is None or not hasattr(ext, "ShmBackend"):
         warnings.warn(
             "fastpar backend: the compiled extension is not available "
-            f"({_ext.ext_status()['reason']}); this group runs on gloo",
+            f"({loader.ext_status()['reason']}); this group runs on gloo",
             RuntimeWarning,
             stacklevel=2,
         )
         return gloo
     backend = ext.ShmBackend(rank, size, gloo, timeout)
-    reason = _rendezvous(backend, ext, store, rank, size, str(opts.group_id))
+    reason = _rendezvous(backend, ext, store, f"{_KEY}{generation}/", rank, size, str(opts.group_id))
     if reason and rank == 0:
         expected = "span" in reason or "FASTPAR_SHM=0" in reason
         (_log.info if expected else _log.warning)("fastpar backend, group %s: gloo for all collectives: %s",
@@ -153,7 +183,7 @@ def shm_status(group=None) -> dict:
         backend = group._get_backend(torch.device("cpu"))
     except RuntimeError as exc:
         return {"backend": name, "shm": False, "reason": str(exc)}
-    ext = _ext.extension()
+    ext = loader.extension()
     state = ext.shm_backend_state(backend) if ext is not None and hasattr(ext, "shm_backend_state") else None
     if state is None:
         return {"backend": name, "shm": False, "reason": f"{type(backend).__name__} is not fastpar's backend"}

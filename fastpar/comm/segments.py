@@ -2,8 +2,11 @@
 
 A segment lives in /dev/shm only from the moment rank 0 creates it until every rank has mapped it (then rank 0
 unlinks the name; the memory goes away with the last mapping). Only a crash inside that window leaves a name
-behind. The name says who made it: ``fastpar.<uid>.<pid>.<process start time>.<group>.<n>``, so the next group
-created on the machine removes those whose creator is gone (same user only; /dev/shm is sticky anyway).
+behind. The name says who made it, in a form that stays true across containers sharing one /dev/shm:
+``fastpar.<uid>.<boot id>.<pid namespace>.<pid>.<process start time>.<group>.<n>``. The next group created on the
+machine removes this user's names whose creator is gone for sure: made in an earlier boot, or in this process's
+PID namespace by a process that no longer runs. A name made in another PID namespace (another container) is left
+alone, since its pid means nothing here.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ _PREFIX = "fastpar"
 _counter = itertools.count()
 
 
-def _start_time(pid: int) -> str | None:
+def _start_time(pid: int | str) -> str | None:
     """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat), None when it is gone:
     with the pid it names one process, even after the pid is reused."""
     try:
@@ -29,24 +32,53 @@ def _start_time(pid: int) -> str | None:
     return fields[19]
 
 
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")
+    except OSError:
+        return "noboot"
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace: its inode, unique among the namespaces alive on the machine."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "nons"
+
+
+def creator_tag(pid: int | None = None, start: str | None = None) -> str:
+    """``<boot id>.<pid namespace>.<pid>.<start time>`` of this process (or of ``pid`` started at ``start`` in this
+    process's namespace): the part of a segment name that says who made it."""
+    if pid is None:
+        pid, start = os.getpid(), _start_time("self")  # /proc/self: right even where /proc is another namespace's
+    return f"{_boot_id()}.{_pid_namespace()}.{pid}.{start}"
+
+
 def segment_name(group: str) -> str:
     """A new segment name for ``group`` of this job, unique on the machine (``shm_open`` form, with the slash)."""
-    pid = os.getpid()
     tag = re.sub(r"[^A-Za-z0-9_-]", "_", group)[:48] or "group"
-    return f"/{_PREFIX}.{os.geteuid()}.{pid}.{_start_time(pid)}.{tag}.{next(_counter)}"
+    return f"/{_PREFIX}.{os.geteuid()}.{creator_tag()}.{tag}.{next(_counter)}"
 
 
-def _creator_alive(name: str) -> bool:
+def _creator_gone(name: str) -> bool:
+    """True only when the process that made segment ``name`` surely no longer runs."""
     parts = name.split(".")
-    try:
-        pid = int(parts[2])
-    except (IndexError, ValueError):
-        return True  # not one of ours in the expected form: leave it
-    return _start_time(pid) == parts[3]
+    if len(parts) != 8:
+        return False  # not in the expected form (another version's): leave it
+    _, _, boot, namespace, pid, start, _, _ = parts
+    here = _boot_id()
+    if "noboot" in (boot, here):
+        return False
+    if boot != here:
+        return True  # made before the last reboot (a /dev/shm that outlived it)
+    if namespace != _pid_namespace() or namespace == "nons":
+        return False  # another container's process: its pid cannot be looked up here
+    return _start_time(pid) != start
 
 
 def sweep_stale_segments(directory: Path = SHM_DIR) -> list[str]:
-    """Remove this user's fastpar segments whose creating process no longer exists; returns their names."""
+    """Remove this user's fastpar segments whose creating process surely no longer exists; returns their names."""
     removed = []
     mine = f"{_PREFIX}.{os.geteuid()}."
     try:
@@ -54,7 +86,7 @@ def sweep_stale_segments(directory: Path = SHM_DIR) -> list[str]:
     except OSError:
         return removed
     for path in entries:
-        if not path.name.startswith(mine) or _creator_alive(path.name):
+        if not path.name.startswith(mine) or not _creator_gone(path.name):
             continue
         try:
             path.unlink()

@@ -11,8 +11,8 @@ from __future__ import annotations
 from .arrays import ArrayLoader, SequenceLoader, StreamLoader, array_loader, iterable_loader
 from .folder import ImageFolder, scan_image_folder
 from .loader import ImageLoader, image_loader
-from .object_errors import BucketNotFoundError, ObjectReadError, ObjectStoreError, StoreAccessError
-from .object_store import StoreOptions
+from .remote.errors import BucketNotFoundError, ObjectReadError, ObjectStoreError, StoreAccessError
+from .remote.store import StoreOptions
 from .sharding import ShardSpec, num_batches, rank_batches
 from .synthetic import make_image_folder
 from .transforms import CorruptImageError

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from .._optional import available, require
-from .object_errors import ObjectReadError, ObjectStoreError
-from .object_store import StoreOptions
+from .remote.errors import ObjectReadError, ObjectStoreError
+from .remote.store import StoreOptions
 from .sources import LocalFiles, ObjectFiles
 from .transforms import (
     EVAL_CROP_FRACTION,

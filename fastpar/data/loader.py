@@ -15,14 +15,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .._optional import available
-from .object_store import StoreOptions
+from ..host import usable_cpu_count
+from .remote.store import StoreOptions
 from .sharding import ShardSpec, rank_batches
 from .sources import open_image_source
 from .transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -129,15 +130,32 @@ class PlannedLoader:
 
 def default_num_threads() -> int:
     """CPU threads (DALI) or worker processes (torch) per rank: the rank's share of the cores, 1..8."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cpu_count()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, min(8, cores // max(1, local_ranks)))
+
+
+class ImageBackend(Protocol):
+    """What decodes an image loader's batches: DALI (``dali_backend``) or a torch DataLoader (``torch_backend``)."""
+
+    name: str
+
+    def iterate(
+        self,
+        epoch: int,
+        batches: list,
+        on_corrupt: Callable[[list[str]], None],
+        next_pass: Callable[[], tuple[int, list]] | None = None,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(images, labels) for each planned batch in order; undecodable files go to ``on_corrupt(paths)``;
+        ``next_pass()`` names the pass expected after this one, which a backend may start prefetching."""
+        ...
 
 
 class ImageLoader(PlannedLoader):
     """Image-classification batches ``(images, labels)``: float32 (B, 3, size, size) normalised, int64 (B,)."""
 
-    def __init__(self, spec: ShardSpec, backend, folder, on_corrupt: str):
+    def __init__(self, spec: ShardSpec, backend: ImageBackend, folder, on_corrupt: str):
         super().__init__(spec)
         self.backend, self.folder, self.on_corrupt = backend, folder, on_corrupt
         self.corrupt_files: list[str] = []  # every file skipped as undecodable so far
@@ -154,10 +172,7 @@ class ImageLoader(PlannedLoader):
         def next_pass() -> tuple[int, list]:  # a pass run to its end leaves the cursor at (epoch + 1, 0)
             return epoch + 1, rank_batches(self.spec, epoch + 1)
 
-        if self.backend.name == "dali":
-            yield from self.backend.iterate(epoch, batches, self._record_corrupt, next_pass)
-        else:
-            yield from self.backend.iterate(epoch, batches, self._record_corrupt)
+        yield from self.backend.iterate(epoch, batches, self._record_corrupt, next_pass)
         if len(self.corrupt_files) > self._warned:  # warn once per newly found set, with count and paths
             new = self.corrupt_files[self._warned :]
             self._warned = len(self.corrupt_files)

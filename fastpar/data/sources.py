@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from .folder import ImageFolder, scan_image_folder
-from .object_cache import ObjectCache
-from .object_folder import ObjectImageFolder, list_once
-from .object_store import FsspecStore, S3Store, StoreOptions, StoreStats, open_store
-from .urls import is_url, local_path
+from .remote.cache import ObjectCache
+from .remote.folder import ObjectImageFolder, list_once
+from .remote.store import FsspecStore, S3Store, StoreOptions, StoreStats, open_store
+from .remote.urls import is_url, local_path
 
 
 class LocalFiles:

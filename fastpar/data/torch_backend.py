@@ -80,9 +80,17 @@ class TorchImageBackend:
         self.num_workers, self.device, self.mean, self.std = num_workers, device, mean, std
 
     def iterate(
-        self, epoch: int, batches: list[tuple[np.ndarray, np.ndarray]], on_corrupt: Callable[[list[str]], None]
+        self,
+        epoch: int,
+        batches: list[tuple[np.ndarray, np.ndarray]],
+        on_corrupt: Callable[[list[str]], None],
+        next_pass: Callable[[], tuple[int, list[tuple[np.ndarray, np.ndarray]]]] | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Yield (images, labels) for ``batches`` in order; corrupt files go to ``on_corrupt(paths)``."""
+        """Yield (images, labels) for ``batches`` in order; corrupt files go to ``on_corrupt(paths)``.
+
+        ``next_pass`` (the :class:`~fastpar.data.loader.ImageBackend` signature) is not used: a DataLoader's
+        workers prefetch within a pass, and each pass starts its own.
+        """
         items = [(epoch, indices, positions) for indices, positions in batches]
         loader = torch.utils.data.DataLoader(
             self.decoder,

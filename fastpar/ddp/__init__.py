@@ -1,12 +1,11 @@
-"""Gradient synchronisation: a drop-in ``DistributedDataParallel``, ZeRO-1 (``ShardedOptimizer``) and coalesced
-collectives."""
+"""Gradient synchronisation: a drop-in ``DistributedDataParallel`` (buckets, the reducer, comm hooks, the bucket
+collective seam that ``fastpar.zero`` plugs into) and coalesced collectives."""
 
 from __future__ import annotations
 
 from .coalesced import CoalescedAllReduce, all_reduce_coalesced
 from .distributed import DistributedDataParallel
 from .errors import BucketTimeoutError, UnusedParametersError
-from .sharded_optimizer import ShardedOptimizer
 
 DDP = DistributedDataParallel
 
@@ -15,7 +14,6 @@ __all__ = [
     "BucketTimeoutError",
     "CoalescedAllReduce",
     "DistributedDataParallel",
-    "ShardedOptimizer",
     "UnusedParametersError",
     "all_reduce_coalesced",
 ]

@@ -37,10 +37,10 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from .bucket_optimizer import broadcast_decision, optimal_buckets, plan_buckets
-from .perf_profile import CollectiveTable
+from ..costmodel.bucket_optimizer import broadcast_decision, optimal_buckets, plan_buckets
+from ..costmodel.perf_profile import CollectiveTable
+from ..costmodel.step_simulator import GradArrival, StepTimeline, SyncCosts, simulate_step
 from .step_recorder import StepRecorder
-from .step_simulator import GradArrival, StepTimeline, SyncCosts, simulate_step
 
 __all__ = ["AutoBuckets", "fit_wire", "measure_allreduce", "shortlist", "sweep_sizes"]
 

@@ -14,7 +14,7 @@ gradients). After the last launch the end of backward is queued; it runs named s
 remaining bucket (a deadline that names missing ranks), finish it into ``.grad``, record statistics, learn.
 
 ``bucket_collective`` (None for DDP) replaces each bucket's all-reduce: ZeRO's reduce-scatter
-(:mod:`fastpar.ddp.zero_collectives`). It offers ``start(bucket) -> work``, ``finish(bucket, result,
+(:mod:`fastpar.zero.collectives`). It offers ``start(bucket) -> work``, ``finish(bucket, result,
 globally_unused)`` (``gradient_path.finish``'s signature) and ``follow_layout(assignment)``: at the rebuild
 it keeps its own buckets and learns the layout torch's DDP would now use. Its buckets are finished at the
 end of backward, not early.

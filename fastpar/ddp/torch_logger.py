@@ -2,7 +2,7 @@
 
 torch's DDP methods call a C++ ``dist.Logger`` built around the C++ Reducer; fastpar's reducer is Python,
 so this class offers the same methods (the full list is checked against the installed torch in
-``tests/test_ddp_dropin.py``) and fills ``_get_ddp_logging_data()`` with what fastpar knows.
+``tests/ddp/test_ddp_dropin.py``) and fills ``_get_ddp_logging_data()`` with what fastpar knows.
 """
 
 from __future__ import annotations

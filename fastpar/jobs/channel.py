@@ -1,9 +1,10 @@
 """The progress channel between a running job and whoever watches it (a future's ``progress()``, a sweep's
 live table, ``fastpar jobs status``).
 
-A job process has ``FASTPAR_JOB_DIR`` set to its job folder. Rank 0 of a ``fastpar.Trainer`` running
-inside it appends every logged metrics record (the lines of its ``metrics.jsonl``) to
-``<job folder>/progress.jsonl``; any other function can do the same with :func:`report`. Readers parse
+A job process has ``FASTPAR_JOB_DIR`` set to its job folder, and the Trainer's metrics sink
+(``FASTPAR_METRICS_SINK``, see ``fastpar.train.progress``) pointed at ``<job folder>/progress.jsonl``: rank 0 of a
+``fastpar.Trainer`` running inside it appends every logged metrics record there; any other function can do the
+same with :func:`report`. Readers parse
 the file; a line cut short by a writer mid-flush is skipped. No submitit import here: the trainer uses it.
 """
 
@@ -17,6 +18,15 @@ from typing import Any
 
 JOB_DIR_ENV = "FASTPAR_JOB_DIR"
 PROGRESS_FILE = "progress.jsonl"
+# The Trainer's metrics sink (fastpar.train.progress.METRICS_SINK_ENV), named here so that listening to the
+# trainer does not import it (and torch) into every jobs command.
+TRAINER_METRICS_SINK_ENV = "FASTPAR_METRICS_SINK"
+
+
+def enter_job(folder: str | Path) -> None:
+    """Make this process (and what it starts) a job's: outputs and progress go to ``folder``."""
+    os.environ[JOB_DIR_ENV] = str(folder)
+    os.environ[TRAINER_METRICS_SINK_ENV] = str(Path(folder) / PROGRESS_FILE)
 
 
 def job_dir() -> Path | None:

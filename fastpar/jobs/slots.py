@@ -12,6 +12,8 @@ import dataclasses
 import os
 from typing import Any
 
+from ..host import usable_cpus
+
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 
 
@@ -44,9 +46,6 @@ def _cpu_text(cpus: tuple[int, ...]) -> str:
 
     return format_cpu_list(list(cpus))
 
-
-def usable_cpus() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def _split(cpus: list[int], parts: int) -> list[tuple[int, ...]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .._pickling import Unpicklable, dumps_naming_culprit
-from .channel import JOB_DIR_ENV
+from .channel import enter_job
 
 
 class UnpicklableError(TypeError):
@@ -65,7 +65,7 @@ class JobCall:
     def __call__(self) -> Any:
         import cloudpickle
 
-        os.environ[JOB_DIR_ENV] = self.folder
+        enter_job(self.folder)
         sys.path.extend(p for p in self.sys_path if p not in sys.path)
         if self.slot is not None:
             self.slot.enter()

@@ -12,6 +12,7 @@ from ..user_errors import UserError
 from .discover import discover
 from .env import build_env
 from .model import LEGEND, Topology, format_cpu_list
+from .nvidia_smi import parse_topo_matrix
 from .select import DEFAULT_BUSY_MEMORY_MIB, Selection, busy_reason, select_devices
 
 
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.from_file:
             text = _read_saved_output(args.from_file)
-            topology = Topology.from_nvidia_smi(text, source=f"nvidia-smi topo -m: {args.from_file}")
+            topology = parse_topo_matrix(text, source=f"nvidia-smi topo -m: {args.from_file}")
         else:
             topology = discover()
         selection = _selection(topology, args)

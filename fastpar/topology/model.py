@@ -168,9 +168,3 @@ class Topology:
             **data,
         )
 
-    @classmethod
-    def from_nvidia_smi(cls, text: str, *, source: str = "nvidia-smi topo -m") -> Topology:
-        """Parse saved ``nvidia-smi topo -m`` output (see fastpar.topology.nvidia_smi)."""
-        from .nvidia_smi import parse_topo_matrix
-
-        return parse_topo_matrix(text, source=source)

@@ -26,8 +26,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 
 from ..data.loader import PlannedLoader
+from ..data.remote.urls import ObjectURL, is_url, local_path
 from ..data.sharding import ShardSpec
-from ..data.urls import ObjectURL, is_url, local_path
 
 
 def describe(data: Any) -> str:

@@ -12,10 +12,9 @@ import os
 
 import torch
 
+from ..host import TORCHRUN_VARS, under_torchrun, usable_cpu_count
 from ..user_errors import UserError
 
-# Variables torchrun (torch.distributed.run) sets in every worker it starts.
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _MAX_DEFAULT_CPU_PROCESSES = 4
 
 
@@ -42,18 +41,11 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def running_under_torchrun() -> bool:
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on: its affinity mask (a sweep trial pinned to one core sees 1), not the machine's count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def default_cpu_processes() -> int:
     """A sensible share of the cores: up to 4 processes, each with cores/processes threads."""
-    return max(1, min(_MAX_DEFAULT_CPU_PROCESSES, usable_cpus()))
+    return max(1, min(_MAX_DEFAULT_CPU_PROCESSES, usable_cpu_count()))
 
 
 def cpu_backend(choice: str = "auto") -> str:
@@ -68,7 +60,7 @@ def cpu_backend(choice: str = "auto") -> str:
 
 def _cpu_plan(devices: int | None, threads: int | None, backend: str) -> Plan:
     nprocs = devices or default_cpu_processes()
-    threads = threads or max(1, usable_cpus() // nprocs)
+    threads = threads or max(1, usable_cpu_count() // nprocs)
     return Plan("cpu", nprocs, cpu_backend(backend) if nprocs > 1 else None, "cpu", (), threads)
 
 
@@ -111,7 +103,7 @@ def _cluster_plan(threads: int | None) -> Plan:
             "on every node, or use execution_environment='auto' on one machine."
         )
     cuda = gpu_count() > 0
-    threads = threads or max(1, usable_cpus() // int(os.environ["LOCAL_WORLD_SIZE"]))
+    threads = threads or max(1, usable_cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"]))
     return Plan("cluster", 0, "nccl" if cuda else "gloo", "cuda" if cuda else "cpu", (), threads)
 
 
@@ -120,7 +112,7 @@ def resolve(kind: str, devices: int | None = None, threads: int | None = None, b
     ``backend`` is TrainingOptions.cpu_backend: the backend of CPU processes on one machine."""
     if kind == "cluster":
         return _cluster_plan(threads)
-    if running_under_torchrun():
+    if under_torchrun():
         # Started by torchrun (e.g. `torchrun --nproc-per-node=4 train.py`): join its group instead of launching.
         plan = _cluster_plan(threads)
         if kind == "cpu":
@@ -135,4 +127,4 @@ def resolve(kind: str, devices: int | None = None, threads: int | None = None, b
         return _cpu_plan(devices, threads, backend)
     ids = _gpu_ids(kind, devices, available)
     backend = "nccl" if len(ids) > 1 else None
-    return Plan(kind, len(ids), backend, "cuda", ids, threads or max(1, usable_cpus() // len(ids)))
+    return Plan(kind, len(ids), backend, "cuda", ids, threads or max(1, usable_cpu_count() // len(ids)))

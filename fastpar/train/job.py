@@ -89,7 +89,7 @@ def ddp_choice(options: TrainingOptions) -> str:
         return options.ddp
     if options.shard_optimizer:
         return "fastpar"  # ZeRO lives on fastpar's buckets (it runs without the extension too)
-    from .._ext import ext_status
+    from ..ops.loader import ext_status
 
     return "fastpar" if ext_status()["backend"] != "torch" else "torch"
 

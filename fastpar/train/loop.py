@@ -54,7 +54,7 @@ class Run:
         self.ddp_model = wrap_ddp(self.model, opts, device) if world_size > 1 else self.model
         self.sharded = opts.shard_optimizer and world_size > 1
         if self.sharded:  # ZeRO-1: the same optimizer (class, groups, state), each rank stepping its shards
-            from ..ddp import ShardedOptimizer
+            from ..zero import ShardedOptimizer
 
             self.optimizer = ShardedOptimizer.from_optimizer(self.ddp_model, self.optimizer)
         self.scheduler = opts.lr_scheduler(self.optimizer) if opts.lr_scheduler else None

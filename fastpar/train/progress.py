@@ -1,4 +1,10 @@
-"""What rank 0 shows and keeps while training: a progress bar (tqdm where it can redraw) and ``metrics.jsonl``."""
+"""What rank 0 shows and keeps while training: a progress bar (tqdm where it can redraw), ``metrics.jsonl``, and
+the metrics sink a watcher can ask for.
+
+The sink: when ``FASTPAR_METRICS_SINK`` names a file, rank 0 also appends every logged record to it as one JSON
+line. The trainer knows nothing of who reads it; the job system (``fastpar.jobs``) sets it to a job's progress
+channel, so ``future.progress()`` and a sweep's live table follow a Trainer running inside a job.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .._optional import available
-from ..jobs.channel import publish
 
 
 def format_duration(seconds: float) -> str:
@@ -97,6 +102,17 @@ class ProgressBar:
             self._bar.close()
 
 
+METRICS_SINK_ENV = "FASTPAR_METRICS_SINK"
+
+
+def _to_sink(record: dict[str, Any]) -> None:
+    """Append ``record`` to the file ``FASTPAR_METRICS_SINK`` names, if any (one write: readers never see half)."""
+    sink = os.environ.get(METRICS_SINK_ENV)
+    if sink:
+        with open(sink, "a") as fh:
+            fh.write(json.dumps(record, default=str) + "\n")
+
+
 class MetricsLog:
     """``metrics.jsonl``: one JSON object per logged step, flushed as written so a crash loses nothing."""
 
@@ -121,7 +137,7 @@ class MetricsLog:
         self.records.append(record)
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
-        publish(record)  # inside a fastpar job: what future.progress() and a sweep's live table read
+        _to_sink(record)
 
     def close(self) -> None:
         self._fh.close()

@@ -1,0 +1,359 @@
+// The "fastpar" c10d backend: picks, per call, the shared-memory collective or gloo.
+#include "shm/backend.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <utility>
+
+#include "shm/collectives.h"
+#include "shm/reduce.h"
+
+namespace fastpar::shm {
+namespace {
+
+using c10d::OpType;
+
+bool sum_or_avg(const c10d::ReduceOp& op) { return op.op_ == c10d::ReduceOp::SUM || op.op_ == c10d::ReduceOp::AVG; }
+
+bool on_cpu(const at::Tensor& t) { return t.device().is_cpu() && t.layout() == at::kStrided; }
+
+at::ScalarType real_dtype(const at::Tensor& t) {
+  return t.is_complex() ? c10::toRealValueType(t.scalar_type()) : t.scalar_type();
+}
+
+bool reducible_tensor(const at::Tensor& t) { return on_cpu(t) && reducible(real_dtype(t)); }
+
+bool same_dtype(const at::Tensor& a, const at::Tensor& b) { return a.scalar_type() == b.scalar_type(); }
+
+// Which order a reduction sums a tensor's elements in. gloo reduces a CPU tensor's memory as it lies (numel elements
+// from its data pointer), so a dense tensor that is not contiguous (a transposed weight) is summed in storage order,
+// and at three ranks or more the order decides the last bits. A tensor with gaps (a strided slice) gloo cannot
+// reduce at all; it gets a contiguous copy, summed in logical order.
+enum class Order { kLogical, kStorage };
+
+// A tensor the kernels work on, and the way its values get back into the caller's tensor. Complex tensors are
+// viewed as real, as gloo does (so sums follow the same order). Detached (same storage and version counter): a
+// collective writes into the tensor's memory outside autograd, as gloo does, so a non-contiguous leaf that requires
+// grad (a transposed nn.Parameter) must not fail the copy back as an in-place autograd operation.
+struct Dense {
+  at::Tensor user;
+  // `user` itself when contiguous; with Order::kStorage and a dense `user`, a 1-D view of its memory in storage
+  // order; else a contiguous copy taken at call time.
+  at::Tensor data;
+  bool copied = false;
+  bool reordered = false;  // data holds the elements in storage order, not in logical order
+
+  explicit Dense(const at::Tensor& t, Order order = Order::kLogical)
+      : user(t.is_complex() ? at::view_as_real(t.detach()) : t.detach()) {
+    if (order == Order::kStorage && !user.is_contiguous() && user.is_non_overlapping_and_dense()) {
+      data = user.as_strided({user.numel()}, {1});  // storage_offset is the lowest address: strides are positive
+      reordered = true;
+    } else {
+      data = user.contiguous();
+      copied = !data.is_same(user);
+    }
+  }
+  char* ptr() const { return static_cast<char*>(data.data_ptr()); }
+  int64_t numel() const { return data.numel(); }
+  int64_t bytes() const { return data.numel() * static_cast<int64_t>(data.element_size()); }
+  int32_t dtype() const { return static_cast<int32_t>(data.scalar_type()); }
+  void write_back() const {
+    if (copied) user.copy_(data);
+  }
+};
+
+// Pairs (big[i], small[i]) of CPU tensors of one dtype, big holding `world` times small's elements: the shape of
+// all_gather_into_tensor (output, input) and of reduce_scatter_tensor (input, output).
+bool world_pairs(const std::vector<at::Tensor>& big, const std::vector<at::Tensor>& small, int world) {
+  if (big.empty() || big.size() != small.size()) return false;
+  for (size_t i = 0; i < big.size(); ++i) {
+    if (!on_cpu(big[i]) || !on_cpu(small[i]) || !same_dtype(big[i], small[i]) ||
+        big[i].numel() != small[i].numel() * world) {
+      return false;
+    }
+  }
+  return true;
+}
+
+std::vector<Dense> dense_all(const std::vector<at::Tensor>& tensors, Order order = Order::kLogical) {
+  std::vector<Dense> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) out.emplace_back(t, order);
+  return out;
+}
+
+Reduction reduction_of(const Dense& t, const c10d::ReduceOp& op) {
+  return {t.data.scalar_type(), op.op_ == c10d::ReduceOp::AVG};
+}
+
+std::string message_of(const std::exception& e) {
+  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
+  return e.what();
+}
+
+// The gather side of _allgather_base / all_gather_into_tensor: rank q's share of `out`.
+void gather_into(Group& g, const Dense& in, const Dense& out, std::chrono::milliseconds timeout) {
+  std::vector<void*> shares(g.world());
+  for (int q = 0; q < g.world(); ++q) shares[q] = out.ptr() + q * in.bytes();
+  all_gather(g, in.ptr(), shares, in.bytes(), in.dtype(), timeout);
+  out.write_back();
+}
+
+// reduce_scatter_tensor: gloo all-reduces the whole input and keeps share `rank`, so the sums follow the order of
+// an all-reduce over world * count elements, in the input's storage order.
+void reduce_scatter_tensor(Group& g, const Dense& in, const Dense& out, Reduction reduction,
+                           std::chrono::milliseconds timeout) {
+  const int64_t count = out.numel();
+  if (in.reordered) {
+    // Share `rank` is a logical slice, scattered over the storage: all-reduce a copy laid out like the input and
+    // take the slice from it (a rare layout; twice the traffic of the reduce-scatter below).
+    at::Tensor sums = at::empty_strided(in.user.sizes(), in.user.strides(), in.user.options());
+    at::Tensor flat = sums.as_strided({sums.numel()}, {1});
+    flat.copy_(in.data);
+    all_reduce(g, flat.data_ptr(), flat.numel(), reduction, timeout);
+    out.user.copy_(sums.reshape(-1).narrow(0, g.rank() * count, count).view(out.user.sizes()));
+    return;
+  }
+  std::vector<const void*> parts(g.world());
+  std::vector<int64_t> offsets(g.world());
+  for (int q = 0; q < g.world(); ++q) {
+    parts[q] = in.ptr() + q * out.bytes();
+    offsets[q] = q * count;
+  }
+  reduce_scatter(g, parts, out.ptr(), count, count * g.world(), offsets, reduction, timeout);
+  out.write_back();
+}
+
+}  // namespace
+
+ShmBackend::ShmBackend(int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo, std::chrono::milliseconds timeout)
+    : c10d::Backend(rank, size),
+      gloo_(std::move(gloo)),
+      options_(c10::make_intrusive<Options>("fastpar", timeout)),
+      reason_("not attached to a shared-memory segment") {
+  TORCH_CHECK(gloo_, "fastpar shm backend needs a gloo backend to delegate to");
+  init();
+}
+
+ShmBackend::~ShmBackend() {
+  if (executor_) executor_->shutdown();
+}
+
+std::string ShmBackend::attach(const std::string& name, uint64_t token) {
+  try {
+    auto group = std::make_unique<Group>(Segment::open(name, size_, token), rank_, options_->timeout);
+    auto executor = std::make_shared<Executor>(std::move(group));
+    executor->start();
+    executor_ = std::move(executor);
+    reason_.clear();
+  } catch (const std::exception& e) {
+    reason_ = message_of(e);
+  }
+  return reason_;
+}
+
+void ShmBackend::detach(const std::string& reason) {
+  if (executor_) executor_->shutdown();
+  executor_.reset();
+  reason_ = reason;
+}
+
+void ShmBackend::setTimeout(std::chrono::milliseconds timeout) {
+  options_->timeout = timeout;
+  if (executor_) executor_->group().set_default_timeout(timeout);
+  try {
+    gloo_->setTimeout(timeout);
+  } catch (const std::exception&) {  // a gloo without setTimeout keeps its own
+  }
+}
+
+c10d::ErrorType ShmBackend::getError() {
+  return executor_ && executor_->group().aborted() ? c10d::ErrorType::COMM_ERROR : c10d::ErrorType::SUCCESS;
+}
+
+void ShmBackend::abort() {
+  if (executor_) executor_->abort("rank " + std::to_string(rank_) + " aborted the process group");
+  gloo_->abort();
+}
+
+void ShmBackend::shutdown() {
+  if (executor_) executor_->shutdown();
+  gloo_->shutdown();
+}
+
+std::chrono::milliseconds ShmBackend::op_timeout(std::chrono::milliseconds requested) const {
+  return requested == c10d::kUnsetTimeout ? std::chrono::milliseconds(0) : requested;
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(OpType type, const char* title, std::vector<at::Tensor> outputs,
+                                                   ShmWork::Body body) {
+  ++seq_;
+  auto work = c10::make_intrusive<ShmWork>(rank_, type, title, std::move(outputs), std::move(body), executor_);
+  executor_->submit(work);
+  return work;
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceOptions& opts) {
+  if (!executor_ || tensors.size() != 1 || !reducible_tensor(tensors[0]) || !sum_or_avg(opts.reduceOp)) {
+    return gloo_->allreduce(tensors, opts);
+  }
+  const Dense t(tensors[0], Order::kStorage);
+  const Reduction reduction = reduction_of(t, opts.reduceOp);
+  const auto timeout = op_timeout(opts.timeout);
+  return enqueue(OpType::ALLREDUCE, "fastpar:all_reduce", tensors, [t, reduction, timeout](Group& g) {
+    shm::all_reduce(g, t.ptr(), t.numel(), reduction, timeout);
+    t.write_back();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                               const c10d::AllreduceCoalescedOptions& opts) {
+  bool handled = executor_ && !tensors.empty() && sum_or_avg(opts.reduceOp);
+  for (const auto& t : tensors) handled = handled && reducible_tensor(t) && same_dtype(t, tensors[0]);
+  if (!handled) return gloo_->allreduce_coalesced(tensors, opts);
+  const auto timeout = op_timeout(opts.timeout);
+  const c10d::ReduceOp op = opts.reduceOp;
+  return enqueue(OpType::ALLREDUCE_COALESCED, "fastpar:all_reduce_coalesced", tensors, [tensors, op, timeout](Group& g) {
+    // As gloo: one all-reduce of the tensors flattened into one buffer, then copied back.
+    std::vector<at::Tensor> flat;
+    for (const auto& t : tensors) flat.push_back(Dense(t).data.reshape(-1));
+    const Dense all(at::cat(flat));
+    all_reduce(g, all.ptr(), all.numel(), reduction_of(all, op), timeout);
+    int64_t offset = 0;
+    for (const auto& t : tensors) {
+      const Dense target(t);
+      target.user.copy_(all.data.narrow(0, offset, target.numel()).view(target.user.sizes()));
+      offset += target.numel();
+    }
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                     const c10d::BroadcastOptions& opts) {
+  if (!executor_ || tensors.size() != 1 || !on_cpu(tensors[0]) || opts.rootTensor != 0 || opts.rootRank < 0 ||
+      opts.rootRank >= size_) {
+    return gloo_->broadcast(tensors, opts);
+  }
+  const Dense t(tensors[0]);
+  const int root = static_cast<int>(opts.rootRank);
+  const auto timeout = op_timeout(opts.timeout);
+  return enqueue(OpType::BROADCAST, "fastpar:broadcast", tensors, [t, root, timeout](Group& g) {
+    shm::broadcast(g, t.ptr(), t.bytes(), root, t.dtype(), timeout);
+    if (g.rank() != root) t.write_back();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) {
+  bool handled = executor_ && inputs.size() == 1 && outputs.size() == 1 &&
+                 outputs[0].size() == static_cast<size_t>(size_) && on_cpu(inputs[0]);
+  for (size_t q = 0; handled && q < outputs[0].size(); ++q) {
+    const auto& out = outputs[0][q];
+    handled = on_cpu(out) && same_dtype(out, inputs[0]) && out.numel() == inputs[0].numel();
+  }
+  if (!handled) return gloo_->allgather(outputs, inputs, opts);
+  const Dense in(inputs[0]);
+  const std::vector<Dense> outs = dense_all(outputs[0]);
+  const auto timeout = op_timeout(opts.timeout);
+  return enqueue(OpType::ALLGATHER, "fastpar:all_gather", outputs[0], [in, outs, timeout](Group& g) {
+    std::vector<void*> shares;
+    for (const auto& out : outs) shares.push_back(out.ptr());
+    all_gather(g, in.ptr(), shares, in.bytes(), in.dtype(), timeout);
+    for (const auto& out : outs) out.write_back();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                           const c10d::AllgatherOptions& opts) {
+  std::vector<at::Tensor> outputs{output};
+  std::vector<at::Tensor> inputs{input};
+  return allgather_into_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                           std::vector<at::Tensor>& inputs,
+                                                                           const c10d::AllgatherOptions& opts) {
+  if (!executor_ || !world_pairs(outputs, inputs, size_)) {
+    if (outputs.size() == 1 && inputs.size() == 1) return gloo_->_allgather_base(outputs[0], inputs[0], opts);
+    return gloo_->allgather_into_tensor_coalesced(outputs, inputs, opts);
+  }
+  const std::vector<Dense> ins = dense_all(inputs);
+  const std::vector<Dense> outs = dense_all(outputs);
+  const auto timeout = op_timeout(opts.timeout);
+  return enqueue(OpType::_ALLGATHER_BASE, "fastpar:all_gather_into_tensor", outputs, [ins, outs, timeout](Group& g) {
+    for (size_t i = 0; i < ins.size(); ++i) gather_into(g, ins[i], outs[i], timeout);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                          std::vector<std::vector<at::Tensor>>& inputs,
+                                                          const c10d::ReduceScatterOptions& opts) {
+  bool handled = executor_ && outputs.size() == 1 && inputs.size() == 1 &&
+                 inputs[0].size() == static_cast<size_t>(size_) && reducible_tensor(outputs[0]) &&
+                 sum_or_avg(opts.reduceOp);
+  for (size_t q = 0; handled && q < inputs[0].size(); ++q) {
+    const auto& part = inputs[0][q];
+    handled = on_cpu(part) && same_dtype(part, outputs[0]) && part.numel() == outputs[0].numel();
+  }
+  if (!handled) return gloo_->reduce_scatter(outputs, inputs, opts);
+  // gloo all-reduces each part on its own, in the part's storage order; the sums come out in that order too.
+  const std::vector<Dense> parts = dense_all(inputs[0], Order::kStorage);
+  const Dense& mine = parts[rank_];
+  const at::Tensor out = outputs[0].is_complex() ? at::view_as_real(outputs[0].detach()) : outputs[0].detach();
+  const bool direct =
+      !mine.reordered || (out.sizes() == mine.user.sizes() && out.strides() == mine.user.strides());
+  const Dense sums(direct ? out : at::empty_strided(mine.user.sizes(), mine.user.strides(), mine.user.options()),
+                   mine.reordered ? Order::kStorage : Order::kLogical);
+  const Reduction reduction = reduction_of(sums, opts.reduceOp);
+  const auto timeout = op_timeout(opts.timeout);
+  return enqueue(OpType::REDUCE_SCATTER, "fastpar:reduce_scatter", outputs,
+                 [out, sums, parts, direct, reduction, timeout](Group& g) {
+                   // every part is an all-reduce of `count` elements from offset 0
+                   std::vector<const void*> sources;
+                   for (const auto& part : parts) sources.push_back(part.ptr());
+                   const std::vector<int64_t> offsets(g.world(), 0);
+                   shm::reduce_scatter(g, sources, sums.ptr(), sums.numel(), sums.numel(), offsets, reduction,
+                                       timeout);
+                   sums.write_back();
+                   if (!direct) out.copy_(sums.user.reshape(out.sizes()));
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                                const c10d::ReduceScatterOptions& opts) {
+  std::vector<at::Tensor> outputs{output};
+  std::vector<at::Tensor> inputs{input};
+  return reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                           std::vector<at::Tensor>& inputs,
+                                                                           const c10d::ReduceScatterOptions& opts) {
+  bool handled = executor_ && sum_or_avg(opts.reduceOp) && world_pairs(inputs, outputs, size_);
+  for (size_t i = 0; handled && i < inputs.size(); ++i) handled = reducible_tensor(inputs[i]);
+  if (!handled) {
+    if (outputs.size() == 1 && inputs.size() == 1) return gloo_->_reduce_scatter_base(outputs[0], inputs[0], opts);
+    return gloo_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
+  }
+  const std::vector<Dense> ins = dense_all(inputs, Order::kStorage);
+  const std::vector<Dense> outs = dense_all(outputs);
+  const c10d::ReduceOp op = opts.reduceOp;
+  const auto timeout = op_timeout(opts.timeout);
+  return enqueue(OpType::_REDUCE_SCATTER_BASE, "fastpar:reduce_scatter_tensor", outputs,
+                 [ins, outs, op, timeout](Group& g) {
+                   for (size_t i = 0; i < ins.size(); ++i) {
+                     reduce_scatter_tensor(g, ins[i], outs[i], reduction_of(outs[i], op), timeout);
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::barrier(const c10d::BarrierOptions& opts) {
+  if (!executor_) return gloo_->barrier(opts);
+  const auto timeout = op_timeout(opts.timeout);
+  return enqueue(OpType::BARRIER, "fastpar:barrier", {}, [timeout](Group& g) { shm::barrier(g, timeout); });
+}
+
+}  // namespace fastpar::shm

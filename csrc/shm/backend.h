@@ -1,0 +1,104 @@
+// fastpar's torch.distributed backend ("fastpar"): all-reduce, reduce-scatter, all-gather, broadcast and barrier
+// between ranks of one host go through POSIX shared memory (shm_collectives); everything else, tensors it does not
+// handle (non-CPU, sparse, unsupported dtypes or reduce ops) and groups spanning hosts go to a gloo backend it owns.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shm/work.h"
+
+namespace pybind11 {
+class module_;
+}
+
+namespace fastpar::shm {
+
+class ShmBackend : public c10d::Backend {
+ public:
+  ShmBackend(int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo, std::chrono::milliseconds timeout);
+  ~ShmBackend() override;
+
+  // Maps the group's segment and joins it; returns "" or why it could not (then everything goes to gloo).
+  std::string attach(const std::string& name, uint64_t token);
+  // Leaves the segment: from now on everything goes to gloo (when not every rank could attach).
+  void detach(const std::string& reason);
+  bool shm_active() const { return executor_ != nullptr; }
+  const std::string& fallback_reason() const { return reason_; }
+  c10::intrusive_ptr<c10d::Backend> gloo() const { return gloo_; }
+
+  const std::string getBackendName() const override { return "fastpar"; }
+  c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return seq_.load(); }
+  c10d::ErrorType getError() override;
+  void abort() override;
+  void shutdown() override;
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+
+  // Delegated to gloo as they are.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+
+ private:
+  c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
+                                         ShmWork::Body body);
+  std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
+
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+  c10::intrusive_ptr<Options> options_;
+  std::shared_ptr<Executor> executor_;  // null: everything goes to gloo
+  std::string reason_;
+  std::atomic<uint64_t> seq_{0};  // collectives issued (DDP and the profiler read it)
+};
+
+// Python bindings (fastpar._C): the ShmBackend class and the segment helpers the Python rendezvous uses.
+void bind(pybind11::module_& m);
+
+}  // namespace fastpar::shm

@@ -1,0 +1,76 @@
+// Python bindings of the same-host backend (fastpar._C.ShmBackend and the segment helpers used by
+// fastpar/comm/backend.py, which registers the backend with torch.distributed).
+#include <pybind11/chrono.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "shm/backend.h"
+
+namespace fastpar::shm {
+
+// Holder of the Python object, as torch holds its own backends: the last reference may go from Python with the GIL
+// held, and the backend's destructor joins its worker, which may need the GIL for a future callback: let it go.
+template <typename T>
+class NoGilHolder {
+ public:
+  NoGilHolder() = default;
+  explicit NoGilHolder(T* raw) : ptr_(c10::intrusive_ptr<T>::unsafe_steal_from_new(raw)) {}
+  explicit NoGilHolder(c10::intrusive_ptr<T> ptr) : ptr_(std::move(ptr)) {}
+  NoGilHolder(const NoGilHolder&) = default;
+  NoGilHolder(NoGilHolder&&) noexcept = default;
+  NoGilHolder& operator=(const NoGilHolder&) = default;
+  NoGilHolder& operator=(NoGilHolder&&) noexcept = default;
+  ~NoGilHolder() {
+    if (ptr_ && PyGILState_Check()) {
+      pybind11::gil_scoped_release no_gil;
+      ptr_.reset();
+    }
+  }
+  T* get() const { return ptr_.get(); }
+
+ private:
+  c10::intrusive_ptr<T> ptr_;
+};
+
+}  // namespace fastpar::shm
+
+PYBIND11_DECLARE_HOLDER_TYPE(T, fastpar::shm::NoGilHolder<T>, true)
+
+namespace fastpar::shm {
+
+void bind(pybind11::module_& m) {
+  namespace py = pybind11;
+  // module_local: the prebuilt fastpar._C and a JIT-built copy may both be loaded in one process (each binds its
+  // own ShmBackend; torch still takes either as a c10d Backend, but hands it back to Python as a plain Backend:
+  // shm_backend_state below reads it from there).
+  py::class_<ShmBackend, c10d::Backend, NoGilHolder<ShmBackend>>(
+      m, "ShmBackend", py::module_local(),
+      "torch.distributed backend 'fastpar': same-host collectives in shared memory, the rest on gloo")
+      .def(py::init([](int rank, int size, const c10::intrusive_ptr<c10d::Backend>& gloo,
+                       std::chrono::milliseconds timeout) {
+             return NoGilHolder<ShmBackend>(c10::make_intrusive<ShmBackend>(rank, size, gloo, timeout));
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("gloo"), py::arg("timeout"))
+      .def("attach", &ShmBackend::attach, py::arg("name"), py::arg("token"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Map the group's segment and join it; returns '' or why not (then everything goes to gloo)")
+      .def("detach", &ShmBackend::detach, py::arg("reason"), py::call_guard<py::gil_scoped_release>(),
+           "Leave the segment: everything goes to gloo from now on")
+      .def_property_readonly("shm_active", &ShmBackend::shm_active)
+      .def_property_readonly("fallback_reason", &ShmBackend::fallback_reason)
+      .def_property_readonly("gloo", &ShmBackend::gloo);
+  m.def(
+      "shm_backend_state",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend) -> py::object {
+        const auto* shm = dynamic_cast<const ShmBackend*>(backend.get());
+        if (shm == nullptr) return py::none();
+        return py::make_tuple(shm->shm_active(), shm->fallback_reason());
+      },
+      py::arg("backend"), "(shm active, why not) of a 'fastpar' backend; None for any other backend");
+  m.def("shm_create", &Segment::create, py::arg("name"), py::arg("world"), py::arg("slot_bytes"), py::arg("buffers"),
+        py::arg("token"),
+        "Create and initialise a group's segment in /dev/shm (mode 0600, pages reserved)");
+  m.def("shm_unlink", &Segment::unlink, py::arg("name"), "Remove a segment's name (no error when it is gone)");
+  m.def("shm_segment_bytes", &Segment::size_for, py::arg("world"), py::arg("slot_bytes"), py::arg("buffers"));
+}
+
+}  // namespace fastpar::shm

@@ -1,0 +1,11 @@
+"""Sharded data parallelism on fastpar's DDP buckets: ``ShardedOptimizer`` (ZeRO-1: optimizer state / world size).
+
+It plugs into the reducer through the bucket collective seam (``fastpar.ddp``): each bucket is reduce-scattered
+instead of all-reduced, each rank steps its shard, and the parameters are all-gathered back.
+"""
+
+from __future__ import annotations
+
+from .optimizer import ShardedOptimizer
+
+__all__ = ["ShardedOptimizer"]

@@ -1,0 +1,302 @@
+"""``fastpar.ShardedOptimizer``: ZeRO stage 1 on fastpar's DDP buckets -- optimizer state / world size.
+
+::
+
+    model = fastpar.DistributedDataParallel(module)
+    opt = fastpar.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()     # each bucket is reduce-scattered as soon as it is ready
+        opt.clip_grad_norm_(1.0)            # optional: the global norm from the shards
+        opt.step()                          # one step per bucket shard, then an async all-gather
+
+Every trainable parameter lives in a bucket padded to a multiple of the world size; rank r owns slice r
+of every bucket. Backward reduce-scatters each bucket the moment it is complete (instead of DDP's
+all-reduce); ``step()`` runs the wrapped torch optimizer on this rank's flat slice of each bucket -- one
+tensor per bucket, so AdamW's moments exist only for 1/N of the parameters -- and starts the all-gather
+of the updated slices, which the next forward waits for module by module (zero_hooks.py).
+
+The arithmetic is the per-parameter optimizer's, elementwise: parameters after any number of steps are
+bit-identical to torch's DDP with the unsharded optimizer (on gloo the reduce-scatter adds in the
+all-reduce's order, gloo_order.py), except where noted in the README (clipping's norm, fused kernels).
+After a synchronised backward the parameters' ``.grad`` are None: the reduced gradient exists only as
+shards (use :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..ddp.buckets import initial_layout
+from ..ddp.errors import StuckBucketDiagnoser, pg_timeout_seconds
+from ..ddp.waiting import BucketWaiter
+from .checks import check_elementwise, check_parameter_coverage, describe_group, refuse_closure_optimizer
+from .clip import ShardNorms
+from .collectives import ZeroCollective
+from .hooks import ParameterGate
+from .layout import build_sharded_buckets, reference_positions
+from .state import gather_full_state, shard_state
+
+__all__ = ["ShardedOptimizer"]
+
+_instances = itertools.count()  # the same sequence on every rank: names this optimizer's store keys and p2p tags
+_TAGS_PER_INSTANCE = 1 << 20  # point-to-point tags: [0, 2^19) bucket exchanges, [2^19, 2^20) norm pieces
+_PLACEHOLDER = "fastpar_zero_placeholder"
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1: ``optimizer_class`` (any elementwise torch optimizer) over ``model``'s parameters, its state
+    sharded across the ranks of the model's process group.
+
+    ``model``: a :class:`fastpar.DistributedDataParallel`. ``params``: parameters or param groups as for
+    ``optimizer_class`` (default ``model.parameters()``); groups may differ in hyperparameters -- each
+    bucket holds one group's parameters. ``defaults``: ``optimizer_class``'s keyword arguments.
+    ``overlap``: gather the updated parameters while the next forward runs (False: wait in ``step()``).
+    ``exchange``: ``"auto"`` (point-to-point on gloo and the fastpar backend, collectives on NCCL), ``"p2p"`` or ``"collective"``.
+    Build it before training (it moves the parameters into flat buffers) and call ``step()``,
+    ``zero_grad()``, ``state_dict()`` and ``load_state_dict()`` on every rank.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        params: Iterable | None = None,
+        *,
+        overlap: bool = True,
+        exchange: str = "auto",
+        **defaults: Any,
+    ) -> None:
+        from ..ddp.distributed import DistributedDataParallel
+
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError(
+                f"ShardedOptimizer needs a fastpar.DistributedDataParallel model (it replaces the model's all-reduce "
+                f"with a reduce-scatter), got {type(model).__name__}; wrap the module with "
+                "fastpar.DistributedDataParallel first"
+            )
+        refuse_closure_optimizer(optimizer_class)
+        reducer = model.reducer
+        if reducer.bucket_collective is not None:
+            raise RuntimeError("this model already has a ShardedOptimizer; build one per model")
+        if reducer.comm_hook is not None:
+            raise RuntimeError(
+                "this model has a comm hook, which replaces the all-reduce; ZeRO reduce-scatters instead. Build the "
+                "model without register_comm_hook (for bf16 gradients pass grad_dtype=torch.bfloat16)"
+            )
+        template = optimizer_class(model.parameters() if params is None else params, **defaults)
+        super().__init__(template.param_groups, template.defaults)
+        del template
+        self.model, self.optimizer_class, self.overlap = model, optimizer_class, overlap
+        self._ctor_kwargs = defaults
+        self._group = reducer.group
+        self._rank = self._group.rank()
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        self._index_of = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        group_of = check_parameter_coverage(
+            [g["params"] for g in self.param_groups], {id(s.param): s.name for s in reducer.slots}, names
+        )
+        self._elementwise_keys: set[str] = set()
+        for index, group in enumerate(self.param_groups):
+            label = describe_group(index, [names.get(id(p), "?") for p in group["params"]])
+            self._elementwise_keys |= check_elementwise(
+                optimizer_class, _hyperparameters(group), defaults, label, reducer.device
+            )
+        self._install(reducer, {s.index: group_of[id(s.param)] for s in reducer.slots}, exchange)
+
+    @classmethod
+    def from_optimizer(
+        cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any
+    ) -> ShardedOptimizer:
+        """The sharded form of a plain ``optimizer`` over ``model``'s parameters: same class, groups,
+        hyperparameters and state (``kwargs``: ``overlap``, ``exchange``)."""
+        groups = [dict(g) for g in optimizer.param_groups]
+        sharded = cls(model, type(optimizer), groups, **kwargs)
+        if optimizer.state:
+            sharded.load_state_dict(optimizer.state_dict())
+        return sharded
+
+    # ---- building the layout ----------------------------------------------------------------------
+    def _install(self, reducer, group_of_slot: dict[int, int], exchange: str) -> None:
+        current = [[s.index for s in b.slots] for b in reducer.buckets]
+        if reducer.has_rebuilt or not reducer._should_rebuild():
+            layout = current
+        else:  # torch will rebuild in gradient order; until then its one bucket per dtype would serialise everything
+            layout = initial_layout([s.param for s in reducer.slots], reducer.caps)
+        world_size = self._group.size()
+        self._sharded = build_sharded_buckets(reducer.slots, layout, group_of_slot, reducer.grad_dtype, self._rank,
+                                              world_size)  # fmt: skip
+        reference = reference_positions(current, reducer.slots)  # the layout torch's DDP reduces, for the order
+        for zb in self._sharded:
+            zb.follow_reference(reference)
+        reducer.buckets = [zb.bucket for zb in self._sharded]
+        self._inner = [
+            self.optimizer_class(
+                [{**_hyperparameters(self.param_groups[zb.group_index]), "params": [zb.shard_param]}],
+                **self._ctor_kwargs,
+            )
+            for zb in self._sharded
+        ]
+        instance = next(_instances)
+        timeout = pg_timeout_seconds(self._group, reducer.device)
+        reducer.waiter.close()
+        reducer.waiter = BucketWaiter(reducer.device, timeout, StuckBucketDiagnoser(
+            self._group, f"zero{instance}/rs", "reduce-scatter of gradient bucket").diagnose)  # fmt: skip
+        tags = (1 << 30) + (instance % 1000) * _TAGS_PER_INSTANCE
+        self._collective = ZeroCollective(reducer, self._sharded, exchange, tags)
+        self._collective.gather_waiter = BucketWaiter(reducer.device, timeout, StuckBucketDiagnoser(
+            self._group, f"zero{instance}/ag", "all-gather of the updated parameters of bucket").diagnose)  # fmt: skip
+        reducer.bucket_collective = self._collective
+        if reducer.auto is not None:  # the shards follow today's buckets: bucket_cap_mb="auto" may not move them
+            reducer.auto.freeze(reducer, "ShardedOptimizer: ZeRO shards the buckets as they are")
+        bucket_of = {id(slot.param): zb.index for zb in self._sharded for slot in zb.slots}
+        self._gate = ParameterGate(self.model.module, bucket_of, self._wait_buckets)
+        self._norms = ShardNorms(self._sharded, self._group, len(reducer.slots), tags + _TAGS_PER_INSTANCE // 2)
+
+    # ---- the training step ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step of the wrapped optimizer on this rank's shard of every bucket, in the order the forward
+        uses them, each followed by the asynchronous all-gather of the updated shard."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for zb, inner in zip(reversed(self._sharded), reversed(self._inner), strict=True):
+            inner.param_groups[0].update(_hyperparameters(self.param_groups[zb.group_index]))  # LR schedules
+            self._collective.wait_gather(zb)  # the last gather still reads this shard
+            inner.step()
+            self._collective.start_gather(zb)
+        if not self.overlap:
+            self._collective.wait_all()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for zb in self._sharded:
+            if set_to_none:
+                zb.shard_param.grad = None
+            elif zb.shard_param.grad is not None:
+                zb.shard_param.grad.zero_()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+
+    def wait_for_params(self) -> None:
+        """Wait until every updated parameter has arrived. Forward, ``state_dict()`` and ``load_state_dict()``
+        do it themselves; call it before reading parameters anywhere else between ``step()`` and forward."""
+        self._collective.wait_all()
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False, *, exact: bool = True
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` for the reduced gradients, which exist
+        as shards; returns the total norm (inf/nan when a gradient is not finite; ``error_if_nonfinite=True``
+        raises naming the parameters). ``exact=True``: torch's per-parameter norms, so the same bits as torch;
+        ``exact=False``: one fused pass and one all-reduce of the squared norm (zero_clip.py says why both)."""
+        if norm_type != 2.0:
+            raise ValueError(
+                f"ShardedOptimizer.clip_grad_norm_ computes the L2 norm; norm_type={norm_type} is not supported"
+            )
+        if exact:
+            norms = self._norms.parameter_norms()
+            unused = [i for zb in self._sharded for i in zb.unused]  # the same on every rank
+            measured = norms
+            if unused:  # torch's clip_grad_norm_ skips parameters without .grad: their 0 would change the bits
+                used = torch.ones(len(norms), dtype=torch.bool)
+                used[unused] = False
+                measured = norms[used.to(norms.device)]
+            total = torch.linalg.vector_norm(measured, 2)
+            finite = torch.isfinite(total)
+        else:
+            total, finite = self._norms.fused_total()
+        if error_if_nonfinite and not bool(finite):  # CPU-GPU sync point, only when asked to check
+            norms = norms if exact else self._norms.parameter_norms()
+            bad = [self.model.reducer.slots[i].name for i in torch.nonzero(~torch.isfinite(norms)).flatten().tolist()]
+            raise RuntimeError(
+                f"fastpar ZeRO: the total gradient norm is non-finite, so it cannot be clipped; parameters with "
+                f"inf/nan gradients: {', '.join(bad[:10])}{' ...' if len(bad) > 10 else ''}. Lower the learning rate, "
+                "or pass error_if_nonfinite=False to scale the gradients by the non-finite norm anyway (as torch does)"
+            )
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads = [zb.shard_param.grad for zb in self._sharded if zb.shard_param.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self, to: int = 0) -> dict[str, Any]:
+        """Collective (every rank calls it): the full state in a plain ``optimizer_class``'s format on rank
+        ``to``, loadable by the plain optimizer or by a ShardedOptimizer on any number of ranks. The other
+        ranks get the same ``param_groups`` and no state (a placeholder that ``load_state_dict`` refuses)."""
+        self.wait_for_params()
+        full = gather_full_state(self._sharded, self._inner, self._elementwise_keys, self._index_of, self._group, to)
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [self._index_of[id(p)] for p in group["params"]]
+            groups.append(packed)
+        if full is None:
+            return {"state": {}, "param_groups": groups, _PLACEHOLDER: f"the full state was gathered on rank {to}"}
+        return {"state": dict(sorted(full.items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full state (from :meth:`state_dict`, or from a plain optimizer of the same class over the same
+        model) on every rank: each rank keeps its shard of it."""
+        if _PLACEHOLDER in state_dict:
+            raise ValueError(
+                f"this state_dict holds no optimizer state ({state_dict[_PLACEHOLDER]}); load the one rank 0 saved "
+                "(ShardedOptimizer.state_dict() returns the full state on that rank only)"
+            )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups, strict=False)
+        ):
+            raise ValueError(
+                "loaded state dict has a different number of parameter groups or parameters per group than this "
+                f"optimizer ({[len(s['params']) for s in saved_groups]} vs "
+                f"{[len(g['params']) for g in self.param_groups]}); load the state of this model's optimizer"
+            )
+        self.wait_for_params()
+        by_position = {}
+        for saved, group in zip(saved_groups, self.param_groups, strict=True):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            for saved_index, p in zip(saved["params"], group["params"], strict=True):
+                if saved_index in state_dict["state"]:
+                    by_position[self._index_of[id(p)]] = state_dict["state"][saved_index]
+        for zb, inner in zip(self._sharded, self._inner, strict=True):
+            shard = shard_state(zb, by_position, self._elementwise_keys, self._index_of)
+            inner_group = {**_hyperparameters(self.param_groups[zb.group_index]), "params": [0]}
+            inner.load_state_dict({"state": {0: shard} if shard else {}, "param_groups": [inner_group]})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_sharded", None) is not None:
+            raise NotImplementedError(
+                "ShardedOptimizer lays its buckets out once, at construction; pass every param group to the "
+                "constructor (params=[{...}, {...}])"
+            )
+        super().add_param_group(param_group)
+
+    # ---- statistics and internals -----------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (its shards' state)."""
+        return sum(
+            v.numel() * v.element_size() for inner in self._inner for s in inner.state.values() for v in s.values()
+            if torch.is_tensor(v)
+        )  # fmt: skip
+
+    def _wait_buckets(self, indices) -> None:
+        for i in indices:
+            self._collective.wait_gather(self._sharded[i])
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
