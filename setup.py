@@ -1,8 +1,10 @@
 """Builds the extension ``fastpar._C`` with torch.utils.cpp_extension.
 
-CppExtension with a CPU-only torch; CUDAExtension when torch is a CUDA build and nvcc is found.
+CppExtension with a CPU-only torch; CUDAExtension when torch is a CUDA build and nvcc is found (with no GPU
+visible and no TORCH_CUDA_ARCH_LIST, for the architectures torch was built for, said in one line).
 FASTPAR_CUDA=0|1 overrides the choice; FASTPAR_NO_EXT=1 builds no extension (pure-torch ops).
 Build without isolation so the extension links against the torch you run: `pip install --no-build-isolation .`
+(an isolated build links against whatever torch pip fetched for it, also said in one line).
 """
 
 import importlib.util
@@ -37,6 +39,10 @@ def _build_config():
     return module
 
 
+def _say(line: str) -> None:
+    print(f"fastpar setup: {line}", file=sys.stderr, flush=True)
+
+
 def _extensions():
     if os.environ.get("FASTPAR_NO_EXT") == "1":
         return [], {}
@@ -55,6 +61,13 @@ def _extensions():
             f"{torch.version.cuda!r}, CUDA_HOME={cpp_extension.CUDA_HOME!r}. Install a CUDA build of torch "
             "and set CUDA_HOME to the toolkit folder whose include/ holds cuda_runtime_api.h."
         )
+    if "pip-build-env" in torch.__file__:
+        _say(f"building against pip's isolated torch {torch.__version__}, not the torch you run; if they differ "
+             "fastpar's loader falls back to a JIT build or the torch ops. Build with `pip install --no-build-isolation ...` to link yours")
+    if with_cuda and (archs := build.default_cuda_archs(torch)) is not None:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+        _say(f"no GPU visible and TORCH_CUDA_ARCH_LIST unset: building the CUDA kernels for {archs} "
+             "(torch's own targets; set TORCH_CUDA_ARCH_LIST to choose, or FASTPAR_CUDA=0 for the CPU build)")
     cfg = build.config(CSRC, torch, with_cuda)
     sources = [str(p.relative_to(ROOT)) for p in cfg.sources]
     if with_cuda:

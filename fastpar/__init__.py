@@ -1,13 +1,14 @@
 """fastpar: fast data-parallel PyTorch training, with its own measurements.
 
-Heavy parts load on first use, so ``import fastpar`` is cheap and never fails because of the
-compiled extension or an optional dependency.
+Heavy parts load on first use, so ``import fastpar`` is cheap (it does not import torch) and never fails
+because of the compiled extension or an optional dependency.
 """
 
 from __future__ import annotations
 
 import importlib
 
+from ._after_import import call_after_import
 from ._version import __version__
 
 __all__ = [
@@ -42,7 +43,7 @@ _LAZY = {
 
 
 def _register_backend() -> None:
-    """``init_process_group("fastpar")`` works once fastpar is imported (fastpar.comm; cheap, never raises)."""
+    """``init_process_group("fastpar")`` works once fastpar and torch are imported (fastpar.comm; never raises)."""
     import warnings
 
     try:
@@ -53,7 +54,7 @@ def _register_backend() -> None:
         warnings.warn(f"fastpar: could not register the 'fastpar' torch.distributed backend: {exc}", stacklevel=2)
 
 
-_register_backend()
+call_after_import("torch", _register_backend)
 
 
 def __getattr__(name: str):

@@ -35,6 +35,18 @@ def bench_main(argv: list[str]) -> int:
     return main(argv, benchmarks={**BENCHMARKS, **UPPER_BENCHMARKS})
 
 
+# FASTPAR_EXT's values (fastpar's kernel loader reads it; checked here without importing torch)
+EXT_MODES = ("auto", "compiled", "cupy", "jit", "torch")
+
+
+def _setting_problem() -> str | None:
+    """A fastpar environment setting with a value nothing would act on, or None."""
+    mode = os.environ.get("FASTPAR_EXT")
+    if mode is not None and mode not in EXT_MODES:
+        return f"FASTPAR_EXT={mode!r} is not one of {'|'.join(EXT_MODES)}; unset it or choose one"
+    return None
+
+
 def _usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: fastpar <command> [options]", "", "commands:"]
@@ -61,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fastpar {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
+    if (problem := _setting_problem()) is not None:
+        print(f"fastpar: error: {problem}", file=sys.stderr)
+        return 2
     if name not in COMMANDS:
         choices = ", ".join(COMMANDS)
         print(
@@ -68,6 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     return _run(name, rest, debug)
+
+
+def _interrupted_line(said: str) -> str:
+    """"interrupted", with what the interrupted code said about it (which may begin with the word itself)."""
+    said = " ".join(said.split())
+    if not said:
+        return "interrupted"
+    return said if said.lower().startswith(("interrupted", "sweep interrupted")) else f"interrupted ({said})"
 
 
 def _run(name: str, argv: list[str], debug: bool) -> int:
@@ -78,7 +101,7 @@ def _run(name: str, argv: list[str], debug: bool) -> int:
             entry = getattr(importlib.import_module(module_name), function or "main")
             return int(entry(argv) or 0)
     except KeyboardInterrupt as exc:
-        print(f"fastpar {name}: interrupted{f' ({exc})' if str(exc) else ''}", file=sys.stderr)
+        print(f"fastpar {name}: {_interrupted_line(str(exc))}", file=sys.stderr)
         return 130
     except Exception as exc:
         line = describe(exc, argv)

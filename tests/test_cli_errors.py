@@ -123,3 +123,109 @@ def test_shell_sees_one_line_and_status_2():
     assert done.stderr.splitlines() == [
         "fastpar demo: error: argument --devices: must be at least 1, got 0 (see 'fastpar demo --help')"
     ]
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once it is closed
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["bench", "data", "--root", "/nonexistent/images"], "fastpar bench data: error: --root: image folder"),
+        (["bench", "data", "--images", "/nonexistent/images"], "fastpar bench data: error: --images: image folder"),
+        (["bench", "calibrate", "--nproc", "2", "--profile", "/proc/fastpar-profile.json"], "not writable"),
+        (["bench", "calibrate", "--nproc", "2", "--profile", "NOT_A_FOLDER/p.json"], "does not exist; create it"),
+        (["bench", "pack", "--json", "NOT_A_FOLDER/pack.json"], "fastpar bench pack: error: --json"),
+    ],
+)
+def test_bench_mistakes_are_one_line_with_status_2_before_measuring(argv, expected, capsys, tmp_path):
+    argv = [a.replace("NOT_A_FOLDER", str(tmp_path / "missing")) for a in argv]
+    code, err = run_cli(argv, capsys)
+    assert code == 2 and len(err) == 1, err
+    assert expected in err[0]
+    assert not (tmp_path / "missing").exists()  # a missing output folder is refused, not made
+
+
+def test_s3_mistakes_are_one_line_with_status_2_and_leave_no_temporary_folders(capsys, monkeypatch, tmp_path):
+    pytest.importorskip("boto3")
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    code, err = run_cli(["bench", "data", "--root", "s3://bucket/images"], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert f"connection refused at {endpoint}" in err[0] and "throttl" not in err[0]
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    code, err = run_cli(["bench", "data", "--root", "s3://bucket/images"], capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "no AWS credentials found" in err[0]
+    assert list(scratch.iterdir()) == []  # the bench's scratch folder went with the failed run
+
+
+def test_an_image_root_one_level_too_high_gets_a_warning_naming_the_folder(tmp_path):
+    from fastpar.data import scan_image_folder
+
+    for split in ("train", "val"):
+        for label in ("cat", "dog"):
+            (tmp_path / split / label).mkdir(parents=True)
+            (tmp_path / split / label / "0.jpg").write_bytes(b"")
+    with pytest.warns(UserWarning, match=f"use {tmp_path / 'train'} as the folder"):
+        scan_image_folder(tmp_path)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the right level: no warning
+        assert scan_image_folder(tmp_path / "train").classes == ["cat", "dog"]
+
+
+def test_help_texts_carry_no_issue_numbers(capsys):
+    assert cli.main(["bench", "data", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--root" in out and "issue" not in out.lower()
+
+
+@pytest.mark.parametrize(
+    "raised, expected",
+    [
+        (KeyboardInterrupt(), "fastpar fake: interrupted"),
+        (KeyboardInterrupt("interrupted; the worker processes were stopped"),
+         "fastpar fake: interrupted; the worker processes were stopped"),
+        (KeyboardInterrupt("the checkpoint was saved"), "fastpar fake: interrupted (the checkpoint was saved)"),
+    ],
+)  # fmt: skip
+def test_ctrl_c_says_interrupted_once(monkeypatch, capsys, raised, expected):
+    _fake_command(monkeypatch, raised)
+    code, err = run_cli(["fake"], capsys)
+    assert code == 130 and err == [expected]
+
+
+def _parsers():
+    from fastpar.jobs.cli import _parser as jobs_parser
+    from fastpar.topology.cli import _parser as topo_parser
+    from fastpar.train.demo import _parser as demo_parser
+
+    return {"demo": demo_parser(), "jobs": jobs_parser(), "topo": topo_parser()}
+
+
+@pytest.mark.parametrize("command", ["demo", "jobs", "topo"])
+def test_help_is_plain_text_and_every_flag_says_what_it_does(command):
+    parser = _parsers()[command]
+    text = parser.format_help()
+    assert "``" not in text and ":func:" not in text and ":class:" not in text, text
+    silent = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
+    assert not silent, f"fastpar {command} flags without help: {silent}"

@@ -28,6 +28,7 @@ from types import ModuleType
 
 from .._optional import available
 from ..launcher import launched_by_torchrun
+from ..user_errors import UserError, describe
 from .context import BenchContext
 from .harness import (
     DTYPES,
@@ -176,23 +177,28 @@ def _context(name: str, module: ModuleType, parsed: argparse.Namespace, command:
     as_dirs = getattr(module, "OUTPUTS_ARE_DIRECTORIES", False)
     for flag in ("json", "plot"):
         if getattr(ctx, flag):
-            _check_writable(getattr(ctx, flag), f"--{flag}", as_dirs)
+            check_writable(getattr(ctx, flag), f"--{flag}", as_dirs)
     if ctx.plot and not available("matplotlib"):
         raise BenchUsageError("--plot needs matplotlib, which is not installed: pip install 'fastpar[bench]'")
     return ctx
 
 
-def _check_writable(path_text: str, flag: str, directory: bool) -> None:
-    """Refuse an output path that cannot be written before spending minutes on the run (creating the
-    folders it needs, as writing would)."""
+def check_writable(path_text: str, flag: str, directory: bool) -> None:
+    """Refuse an output path that cannot be written before spending minutes on the run. A file goes into a
+    folder that exists (a typo in a folder name is not silently created); an output directory is created,
+    and that is said."""
     path = Path(path_text)
     if directory and path.exists() and not path.is_dir():
         raise BenchUsageError(f"{flag} {path_text}: exists and is not a directory; name a directory")
     if not directory and path.is_dir():
         raise BenchUsageError(f"{flag} {path_text}: is a directory; name a file")
     folder = path if directory else path.parent
+    if not directory and not folder.is_dir():
+        raise BenchUsageError(f"{flag} {path_text}: folder {folder} does not exist; create it first (mkdir -p {folder})")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        if not folder.exists():
+            folder.mkdir(parents=True)
+            print(f"# created folder {folder} for {flag}", file=sys.stderr)
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as exc:
@@ -276,8 +282,9 @@ def main(argv: list[str] | None = None, benchmarks: Mapping[str, str] = BENCHMAR
         return fail("failed" if name == "all" else "WRONG RESULTS (no speed reported)", exc, 1)
     except RankError as exc:
         return fail("a rank failed", exc, 1)
-    except OSError as exc:
-        return fail("error", exc, 1)
+    except (UserError, OSError) as exc:  # the user's to fix (a path, a store's endpoint or credentials): status 2
+        line = describe(exc)
+        return fail("error", exc, 1) if line is None else fail("error", line, 2)
     except KeyboardInterrupt:
         return fail("interrupted", "stopped by the user", 130)
     return 0

@@ -93,7 +93,27 @@ def sort_image_files(
     empty = [d for d, n in zip(folders, _counts(labels, len(classes)), strict=True) if n == 0]
     if empty:
         warnings.warn(f"{len(empty)} class folder(s) hold no images: {_listing(empty)}", stacklevel=3)
+    if (better := _one_level_too_high(root, classes, class_files)) is not None:
+        warnings.warn(
+            f"image folder {root} looks one level too high: its class folders are {', '.join(classes)}, and the "
+            f"images sit in folders below them; use {better} as the folder (its subfolders are the classes)",
+            stacklevel=3,
+        )
     return classes, files, labels
+
+
+_SPLIT_NAMES = {"train", "training", "val", "valid", "validation", "test", "testing"}
+
+
+def _one_level_too_high(root: str, classes: list[str], class_files: dict[str, list[str]]) -> str | None:
+    """The folder to use instead of ``root`` when its "classes" are data splits (train/val) or there is only
+    one, and their images are nested in subfolders (the real classes); else None."""
+    if not classes or not (set(classes) <= _SPLIT_NAMES or len(classes) == 1):
+        return None
+    first = next((c for c in ("train", "training") if c in classes), classes[0])
+    prefix = f"{root.rstrip('/')}/{first}/"
+    nested = [f for f in class_files[first] if "/" in f.removeprefix(prefix)]
+    return f"{root.rstrip('/')}/{first}" if nested else None
 
 
 def _suffix(path: str) -> str:

@@ -51,10 +51,12 @@ def _summary(value: Any) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from .future import JobFuture
     from .store import jobs_root, list_jobs
 
     records = list_jobs(args.dir)
+    if records:  # their states need submitit's job files: imported only when there are jobs to ask about
+        from .future import JobFuture
+
     rows = [(r, JobFuture(r, watch=False).state()) for r in records]
     if args.json:
         for record, state in rows:
@@ -149,6 +151,10 @@ def _result(future: Any, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Errors the user can fix (a missing submitit, a job id that isn't there) are raised as UserError for
+    the ``fastpar`` command to show: one line, exit status 2, the traceback with ``--debug``."""
+    from ..user_errors import UserError
+
     args = _parser().parse_args(argv)
     try:
         from .store import JobNotFoundError
@@ -156,9 +162,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             return _list(args)
         return _run(args)
-    except ImportError as exc:  # submitit missing: the message names the extra to install
-        print(f"fastpar jobs: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+    except ImportError as exc:
+        if "pip install" not in str(exc):
+            raise
+        raise UserError(str(exc)) from exc  # submitit missing: the message names the extra to install
     except JobNotFoundError as exc:
-        print(f"fastpar jobs {args.command}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        raise UserError(f"{args.command}: {exc}") from exc

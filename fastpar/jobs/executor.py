@@ -1,7 +1,7 @@
 """submitit's executors, chosen and configured for fastpar jobs: local processes on a laptop or a single
 machine, Slurm one argument away.
 
-``cluster``: ``"auto"`` (Slurm when ``srun`` is on PATH, else local), ``"local"``, ``"slurm"`` or ``"debug"``
+``cluster``: ``"auto"`` (Slurm when a Slurm controller answers ``sinfo``, else local), ``"local"``, ``"slurm"`` or ``"debug"``
 (in this process, for stepping through a job in a debugger). Resources are submitit's parameters:
 the shared ones (``timeout_min``, ``gpus_per_node``, ``cpus_per_task``, ``nodes``, ``tasks_per_node``,
 ``mem_gb``, ``name``) and cluster-specific ones with their prefix (``slurm_partition``, ``slurm_account``,
@@ -14,9 +14,11 @@ it, and :mod:`.proctree` can find and stop every process it started.
 
 from __future__ import annotations
 
-import functools
+import os
+import secrets
 import shutil
 import subprocess
+import sys
 import threading
 import types
 from collections.abc import Mapping
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .._optional import require
+from . import proctree, slurm
 
 submitit = require("submitit", extra="jobs", purpose="fastpar jobs (sweep, submit, batch)")
 from submitit.local import local as _submitit_local  # noqa: E402 - after the check that names the extra
@@ -31,28 +34,47 @@ from submitit.local import local as _submitit_local  # noqa: E402 - after the ch
 CLUSTERS = ("auto", "local", "slurm", "debug")
 DEFAULT_TIMEOUT_MIN = 24 * 60  # submitit's own defaults (2 min locally, 5 on Slurm) would kill a training
 _LOCAL_ONLY = ("visible_gpus", "setup", "signal_delay_s")
+_MINIMUM = {"nodes": 1, "tasks_per_node": 1, "timeout_min": 1, "cpus_per_task": 1, "gpus_per_node": 0}
 
 
 def resolve_cluster(cluster: str) -> str:
-    """``"auto"`` -> ``"slurm"`` or ``"local"``; refuse names submitit doesn't serve here."""
+    """``"auto"`` -> ``"slurm"`` when a Slurm controller answers, else ``"local"`` (said in one line when Slurm's
+    tools are here but nobody answers); ``"slurm"`` without a controller is an error."""
     if cluster not in CLUSTERS:
         raise ValueError(f"cluster must be one of {', '.join(CLUSTERS)}, got {cluster!r}")
-    has_slurm = shutil.which("srun") is not None  # submitit's own test for Slurm
-    if cluster == "auto":
-        return "slurm" if has_slurm else "local"
-    if cluster == "slurm" and not has_slurm:
-        raise RuntimeError(
-            "cluster='slurm', but Slurm's srun/sbatch are not on this machine's PATH; submit from a Slurm login "
-            "node, or use cluster='local' to run the job here"
+    if cluster not in ("auto", "slurm"):
+        return cluster
+    problem = slurm.controller_problem()
+    if cluster == "slurm" and problem:
+        raise SlurmUnavailableError(
+            f"cluster='slurm', but {problem}; submit from a Slurm login node whose controller answers `sinfo`, "
+            "or use cluster='local' to run the job here"
         )
-    return cluster
+    if cluster == "auto" and problem:
+        if shutil.which("sinfo") or shutil.which("srun"):
+            _say_once(f"fastpar: no working Slurm here ({problem}); running jobs on this machine")
+        return "local"
+    return "slurm"
+
+
+class SlurmUnavailableError(RuntimeError):
+    """cluster='slurm' was asked for, but no Slurm controller answers on this machine."""
+
+
+_said: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    if line not in _said:
+        _said.add(line)
+        print(line, file=sys.stderr)
 
 
 def check_resources(resources: Mapping[str, Any] | None) -> dict[str, Any]:
     """Check resource names and types against the installed submitit; return them with fastpar's defaults."""
     params = dict(resources or {})
     shared = submitit.AutoExecutor._typed_parameters()  # name -> type
-    slurm = submitit.SlurmExecutor._valid_parameters()
+    slurm_only = submitit.SlurmExecutor._valid_parameters()
     problems = []
     for key, value in params.items():
         prefix, _, rest = key.partition("_")
@@ -60,17 +82,21 @@ def check_resources(resources: Mapping[str, Any] | None) -> dict[str, Any]:
             wanted = (int, float) if shared[key] is float else shared[key]
             if not isinstance(value, wanted) or (wanted is int and isinstance(value, bool)):
                 problems.append(f"{key} must be {shared[key].__name__}, got {value!r}")
-        elif not ((prefix == "slurm" and rest in slurm) or (prefix == "local" and rest in _LOCAL_ONLY)):
+        elif not ((prefix == "slurm" and rest in slurm_only) or (prefix == "local" and rest in _LOCAL_ONLY)):
             problems.append(f"unknown resource {key!r}")
-    for key in ("nodes", "tasks_per_node", "timeout_min"):
-        if isinstance(params.get(key), int) and params[key] < 1:
-            problems.append(f"{key} must be at least 1, got {params[key]}")
-    if isinstance(params.get("gpus_per_node"), int) and params["gpus_per_node"] < 0:
-        problems.append(f"gpus_per_node must be >= 0, got {params['gpus_per_node']}")
+    for key, minimum in _MINIMUM.items():
+        value = params.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < minimum:
+            problems.append(f"{key} must be at least {minimum}, got {value!r}")
+    if isinstance(params.get("mem_gb"), (int, float)) and not isinstance(params["mem_gb"], bool) and params["mem_gb"] <= 0:
+        problems.append(f"mem_gb must be above 0, got {params['mem_gb']!r}")
+    for key, value in params.items():  # Slurm's own counts (slurm_cpus_per_gpu, slurm_mem_per_cpu, ...)
+        if key.startswith("slurm_") and isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            problems.append(f"{key} must not be negative, got {value!r}")
     if problems:
         raise ValueError(
             f"bad resources: {'; '.join(problems)}. Shared resources: {', '.join(sorted(shared))}; Slurm-only ones "
-            f"take a slurm_ prefix ({', '.join('slurm_' + k for k in sorted(slurm)[:6])}, ...; see submitit's "
+            f"take a slurm_ prefix ({', '.join('slurm_' + k for k in sorted(slurm_only)[:6])}, ...; see submitit's "
             "SlurmExecutor); local-only ones: " + ", ".join("local_" + k for k in _LOCAL_ONLY)
         )
     params.setdefault("timeout_min", DEFAULT_TIMEOUT_MIN)
@@ -107,10 +133,14 @@ class _ControllerSubprocess(types.ModuleType):
     a new session and writes to the job's ``controller.log``, not to the submitter's stdout — a shell's
     ``id=$(python submit.py)`` would otherwise wait for the job to close that pipe."""
 
-    def __init__(self, log: Any) -> None:
+    def __init__(self, log: Any, marker: str) -> None:
         super().__init__("subprocess")
-        self.Popen = functools.partial(subprocess.Popen, start_new_session=True, stdin=subprocess.DEVNULL,
-                                       stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        self._log, self._marker = log, marker
+
+    def Popen(self, *args: Any, env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:  # noqa: N802
+        env = {**(os.environ if env is None else env), proctree.MARKER_ENV: self._marker}
+        return subprocess.Popen(*args, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=self._log,
+                                stderr=subprocess.STDOUT, **kwargs)  # fmt: skip
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
@@ -121,11 +151,16 @@ _SUBMIT_LOCK = threading.Lock()
 
 class SessionLocalExecutor(submitit.LocalExecutor):
     """submitit's LocalExecutor whose job controllers start in sessions of their own, detached from the
-    submitting process's terminal and output."""
+    submitting process's terminal and output, carrying a marker (``process_marker``) in their environment
+    that every process they start inherits, so that cancel finds even those that left the session."""
+
+    process_marker: str | None = None
 
     def _submit_command(self, command: str) -> Any:
+        self.process_marker = secrets.token_hex(8)
         with _SUBMIT_LOCK, open(Path(self.folder) / "controller.log", "ab") as log:
-            _submitit_local.subprocess = _ControllerSubprocess(log)  # seen only by submitit's local module
+            # seen only by submitit's local module
+            _submitit_local.subprocess = _ControllerSubprocess(log, self.process_marker)
             try:
                 return super()._submit_command(command)
             finally:
@@ -141,6 +176,9 @@ def make_executor(folder: str | Path, cluster: str, params: Mapping[str, Any]) -
         local.update({k.removeprefix("local_"): v for k, v in params.items() if k.startswith("local_")})
         executor.update_parameters(**local)
         return executor
+    params = dict(params)
+    if cluster == "slurm":
+        slurm.fill_slurm_defaults(params)
     executor = submitit.AutoExecutor(folder, cluster=cluster)
     executor.update_parameters(**params)
     return executor

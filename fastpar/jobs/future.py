@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import channel, proctree
+from . import channel, proctree, slurm
 from .executor import submitit
 from .store import JobRecord, find_job, jobs_root
 from .task import exception_path
@@ -82,8 +82,8 @@ class JobFuture(concurrent.futures.Future):
 
     def _alive(self) -> str:
         """PENDING, RUNNING or FAILED (gone without a result) from the cluster's point of view."""
-        if self.record.cluster == "slurm":
-            return _slurm_state(self._job.state)
+        if self.record.cluster == "slurm":  # not submitit's state: it polls sacct, which fails without accounting
+            return _slurm_state(slurm.job_state(self.record.cluster_job_id))
         local = self._job.state  # also reaps our own child controller once it has exited
         if local == "RUNNING":
             return "RUNNING"
@@ -148,7 +148,8 @@ class JobFuture(concurrent.futures.Future):
         if self.record.cluster == "slurm":
             self._job.cancel(check=False)  # scancel: Slurm ends every step of the job
         else:
-            proctree.kill_job(int(self.record.cluster_job_id), self.record.controller_start_ticks)
+            proctree.kill_job(int(self.record.cluster_job_id), self.record.controller_start_ticks,
+                              marker=self.record.process_marker)  # fmt: skip
             self._job.state  # noqa: B018 - reap our child controller, if it is ours
 
     def poll(self) -> bool:
@@ -181,9 +182,11 @@ class JobFuture(concurrent.futures.Future):
             if outcome is None:
                 stdout, stderr = self.log_paths(task)
                 tail = stderr.read_text(errors="replace")[-2000:] if stderr.exists() else ""
+                said = slurm.job_reason(self.record.cluster_job_id) if self.record.cluster == "slurm" else ""
                 raise JobFailedError(
                     f"job {self.id} ({self.name}) task {task} ended without a result (killed, out of memory, or "
-                    f"stopped by the cluster). Logs: {stdout} and {stderr}; their end:\n{tail}"
+                    f"stopped by the cluster{': ' + said if said else ''}). Logs: {stdout} and {stderr}; their "
+                    f"end:\n{tail}"
                 )
             if outcome[0] == "error":
                 raise self._failure(task, outcome[1])
@@ -193,6 +196,12 @@ class JobFuture(concurrent.futures.Future):
         return values[0]
 
     def _failure(self, task: int, trace: str) -> BaseException:
+        if "timed-out and not checkpointable" in trace:  # submitit's handler of Slurm's warning signal
+            limit = self.record.resources.get("timeout_min")
+            return JobFailedError(
+                f"job {self.id} ({self.name}) exceeded its time limit ({limit} min) and was stopped; ask for more "
+                f"with resources={{'timeout_min': ...}}. Logs in {self.folder}"
+            )
         note = f"job {self.id} ({self.name}) failed in task {task}; logs in {self.folder}. Traceback in the job:\n{trace}"
         path = exception_path(self.folder, task)
         if path.exists():

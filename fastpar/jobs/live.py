@@ -12,7 +12,7 @@ from typing import Any, TextIO
 
 from .._optional import available
 from . import channel
-from .results import COMPLETED, FAILED, RUNNING, Trial
+from .results import COMPLETED, FAILED, RUNNING, Trial, shown_epoch
 
 COLUMNS = ("trial", "config", "state", "slot", "epoch", "metrics", "time")
 
@@ -51,7 +51,7 @@ class LiveTable:
         seconds = trial.seconds
         if seconds is None and trial.index in self.started:
             seconds = time.monotonic() - self.started[trial.index]
-        epoch = str(latest["epoch"] + 1) if latest and isinstance(latest.get("epoch"), int) else ""
+        epoch = str(shown) if latest and (shown := shown_epoch(latest)) is not None else ""
         state = trial.state + (" (earlier run)" if trial.resumed else "")
         metrics = trial.error[:100] if trial.state == FAILED and trial.error else format_metrics(latest)
         slot = trial.slot.describe() if trial.slot is not None else ""

@@ -3,7 +3,9 @@
 A local job's controller starts in a session of its own, so whatever it starts stays in that session even
 after its parent dies and it is re-parented to init. Some launchers give their children new sessions
 (torch's elastic agent does for program workers), so a job's processes are the session's members plus
-every descendant of any of them. To stop a job, the whole set is frozen first (SIGSTOP: nothing can start
+every descendant of any of them. A process that left the session and lost its parent (``setsid`` plus a
+double fork, as daemons do) is found by the marker every process of the job inherits in its environment
+(``MARKER_ENV``, set on the controller when it starts). To stop a job, the whole set is frozen first (SIGSTOP: nothing can start
 another process or exit and orphan its children mid-way), re-scanned until no new member appears, then
 killed (SIGKILL) — no orphans are left behind.
 """
@@ -15,6 +17,8 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+MARKER_ENV = "FASTPAR_JOB_MARKER"
 
 
 @dataclass(frozen=True)
@@ -54,12 +58,24 @@ def is_running(pid: int, start_ticks: int | None) -> bool:
     return proc is not None and proc.alive and (start_ticks is None or proc.start_ticks == start_ticks)
 
 
-def job_processes(leader: int, start_ticks: int | None = None) -> list[Proc]:
+def has_marker(pid: int, marker: str) -> bool:
+    """True when process ``pid`` started with ``MARKER_ENV=marker`` in its environment."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone, or another user's
+        return False
+    return f"{MARKER_ENV}={marker}".encode() in environ.split(b"\0")
+
+
+def job_processes(leader: int, start_ticks: int | None = None, marker: str | None = None) -> list[Proc]:
     """Living processes of the job whose controller is ``leader`` (a session leader): the leader, its
-    session's members and their descendants. The calling process is never included."""
+    session's members, the processes carrying the job's ``marker`` and their descendants. The calling
+    process is never included."""
     procs = snapshot()
     root = procs.get(leader)
     members = {p.pid for p in procs.values() if p.session == leader}
+    if marker:
+        members |= {p.pid for p in procs.values() if p.pid not in members and has_marker(p.pid, marker)}
     if root is not None and (start_ticks is None or root.start_ticks == start_ticks):
         members.add(leader)
     grew = True
@@ -79,12 +95,13 @@ def _signal(pids: set[int], sig: int) -> None:
             pass
 
 
-def kill_job(leader: int, start_ticks: int | None = None, timeout_s: float = 10.0) -> list[int]:
+def kill_job(leader: int, start_ticks: int | None = None, timeout_s: float = 10.0,
+             marker: str | None = None) -> list[int]:  # fmt: skip
     """Freeze, then kill every process of the job; return their pids. Raises TimeoutError naming the
     processes still alive after ``timeout_s``."""
     frozen: set[int] = set()
     while True:  # freeze until a scan finds nobody new (a process may fork between scan and SIGSTOP)
-        found = {p.pid for p in job_processes(leader, start_ticks)} - frozen
+        found = {p.pid for p in job_processes(leader, start_ticks, marker)} - frozen
         if not found:
             break
         _signal(found, signal.SIGSTOP)

@@ -50,14 +50,32 @@ def metrics_of(result: Any, latest: dict[str, Any] | None) -> dict[str, Any]:
     ``fastpar.jobs.report``), updated with what it returned: a Trainer's last logged values, a returned
     dict's plain values, a returned number as ``value``."""
     metrics = {k: v for k, v in (latest or {}).items() if _number(v) and k not in ("time", "elapsed")}
+    if latest is not None and _from_trainer(latest):
+        metrics["epoch"] = shown_epoch(latest)
     if hasattr(result, "history") and hasattr(result, "last"):  # a fastpar TrainingResult
         keys = ("epoch", "iteration", "loss", "accuracy", "val_loss", "val_accuracy")
         metrics.update({k: v for k in keys if (v := result.last(k)) is not None})
+        if isinstance(metrics.get("epoch"), int):
+            metrics["epoch"] += 1  # a Trainer's records count epochs from 0; shown from 1, as the table does
     elif isinstance(result, dict):
         metrics.update({str(k): v for k, v in result.items() if isinstance(v, (int, float, str, bool)) or v is None})
     elif _number(result):
         metrics["value"] = result
     return metrics
+
+
+def _from_trainer(record: dict[str, Any]) -> bool:
+    return "max_epochs" in record  # every record a Trainer logs has it (fastpar.train.loop.INFO_KEYS)
+
+
+def shown_epoch(record: dict[str, Any]) -> Any:
+    """The epoch as people read it. A Trainer's records count epochs from 0 (metrics.jsonl) while its
+    progress bar and plot count from 1; a sweep's table and records show the latter. An epoch a job
+    reported itself (``fastpar.jobs.report(epoch=...)``) is shown as it was given."""
+    epoch = record.get("epoch")
+    if _from_trainer(record) and isinstance(epoch, int) and not isinstance(epoch, bool):
+        return epoch + 1
+    return epoch
 
 
 def record_of(trial: Trial, latest: dict[str, Any] | None) -> dict[str, Any]:

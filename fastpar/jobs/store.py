@@ -38,6 +38,7 @@ class JobRecord:
     what: str = ""  # the function or script, for people
     resources: dict[str, Any] = dataclasses.field(default_factory=dict)
     controller_start_ticks: int | None = None  # local: tells the controller apart from a later process with its pid
+    process_marker: str | None = None  # local: the value of proctree.MARKER_ENV every process of the job inherits
     slot: dict[str, Any] | None = None  # a local sweep trial's slot: index, cpus, gpus
 
     def save(self) -> None:

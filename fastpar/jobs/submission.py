@@ -11,10 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from . import proctree
-from .executor import check_resources, fill_local_gpus, make_executor, resolve_cluster
+from .executor import check_resources, fill_local_gpus, make_executor, resolve_cluster, submitit
 from .future import JobFuture
 from .store import JobRecord, jobs_root, new_job_folder, now_iso
 from .task import JobCall, pack_call
+
+
+class JobSubmitError(RuntimeError):
+    """The cluster refused to take the job (sbatch failed): the message says why and what was asked for."""
 
 
 def describe(target: Any) -> str:
@@ -28,7 +32,7 @@ def describe(target: Any) -> str:
 
 def start_job(payload: bytes, *, kind: str, name: str, what: str, cluster: str, params: dict[str, Any],
               root: str | Path | None = None, folder: Path | None = None, slot: Any = None,
-              result_from: str = "task0") -> JobFuture:  # fmt: skip
+              result_from: str = "task0", threads_from_cores: bool = False) -> JobFuture:  # fmt: skip
     """Submit the packed call to ``cluster`` (resolved) with ``params`` (checked); the job's folder is
     ``folder`` or a new one under the jobs root."""
     if folder is None:
@@ -37,7 +41,14 @@ def start_job(payload: bytes, *, kind: str, name: str, what: str, cluster: str, 
         folder.mkdir(parents=True, exist_ok=True)
         job_id = folder.name
     executor = make_executor(folder, cluster, {**params, "name": params.get("name", name)})
-    job = executor.submit(JobCall(payload, folder.resolve(), slot))
+    try:
+        job = executor.submit(JobCall(payload, folder.resolve(), slot, threads_from_cores))
+    except submitit.core.utils.FailedJobError as exc:  # sbatch said no: its reason, in one line
+        reason = " ".join(str(exc).split()) or "no reason given"
+        raise JobSubmitError(
+            f"{cluster} refused the job {name!r}: {reason}. Resources asked for: "
+            f"{', '.join(f'{k}={v!r}' for k, v in params.items() if k != 'name')}"
+        ) from None
     record = JobRecord(
         id=job_id, name=name, kind=kind, cluster=cluster, folder=str(folder.resolve()), cluster_job_id=str(job.job_id),
         num_tasks=job.num_tasks, result_from=result_from, submitted=now_iso(), what=what,
@@ -47,6 +58,7 @@ def start_job(payload: bytes, *, kind: str, name: str, what: str, cluster: str, 
     if cluster == "local":
         controller = proctree.read_proc(int(job.job_id))
         record.controller_start_ticks = controller.start_ticks if controller else None
+        record.process_marker = getattr(executor, "process_marker", None)
     record.save()
     return JobFuture(record, job)
 

@@ -83,7 +83,8 @@ class _Sweep:
         trial.started = time.monotonic()
         trial.future = start_job(self.payloads[trial.index], kind="trial", name=f"trial-{trial.index}",
                                  what=f"{self.fn_name}({trial.short_config(80)})", cluster=self.cluster,
-                                 params=params, folder=trial.folder, slot=slot)  # fmt: skip
+                                 params=params, folder=trial.folder, slot=slot,
+                                 threads_from_cores=self.free is None)  # fmt: skip
         self.running[trial.future] = trial
 
     def _take_slot_of(self, trial: Trial) -> None:

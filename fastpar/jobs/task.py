@@ -55,8 +55,11 @@ def exception_path(folder: str | Path, task: int) -> Path:
 class JobCall:
     """The callable submitit runs in the job: restore the import path, enter the slot, call, keep the error."""
 
-    def __init__(self, payload: bytes, folder: str | Path, slot: Any = None) -> None:
+    def __init__(self, payload: bytes, folder: str | Path, slot: Any = None, threads_from_cores: bool = False) -> None:
+        """``threads_from_cores``: a trial placed by a cluster (no slot): torch and OpenMP get as many threads
+        as the cores the cluster bound the job to."""
         self.payload, self.folder, self.slot = payload, str(folder), slot
+        self.threads_from_cores = threads_from_cores
         self.sys_path = [p for p in sys.path if p]  # "" (the current folder) is the job's own cwd
 
     def __call__(self) -> Any:
@@ -66,6 +69,10 @@ class JobCall:
         sys.path.extend(p for p in self.sys_path if p not in sys.path)
         if self.slot is not None:
             self.slot.enter()
+        elif getattr(self, "threads_from_cores", False) and hasattr(os, "sched_getaffinity"):
+            from .slots import Slot
+
+            Slot(0, tuple(sorted(os.sched_getaffinity(0)))).enter()
         fn, args = cloudpickle.loads(self.payload)
         try:
             return fn(*args)

@@ -6,6 +6,8 @@ functions that need torch take it as an argument.
 
 Environment:
   FASTPAR_CUDA=0|1         build the CUDA kernels or not (default: when a CUDA torch and toolkit are usable)
+  TORCH_CUDA_ARCH_LIST     GPU architectures of the CUDA build (default: the visible GPUs'; with none visible,
+                           the architectures torch itself was built for, see ``default_cuda_archs``)
   FASTPAR_BUILD_DEBUG=1    keep debug info (-g); the default -g0 halves the compile time of the bindings
 """
 
@@ -45,6 +47,24 @@ def cuda_toolkit_usable(torch: ModuleType) -> bool:
     from torch.utils import cpp_extension
 
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+
+
+FALLBACK_CUDA_ARCHS = "7.5;8.0;8.6;8.9;9.0+PTX"  # Turing to Hopper, PTX for newer GPUs to JIT
+
+
+def default_cuda_archs(torch: ModuleType, environ: dict[str, str] | None = None) -> str | None:
+    """The TORCH_CUDA_ARCH_LIST a CUDA build needs when none is set and no GPU is visible (torch would ask the
+    GPU which architecture to build for, and raise without one): the architectures torch itself was built
+    for, PTX on the newest; ``FALLBACK_CUDA_ARCHS`` when torch doesn't say. None when nothing needs setting."""
+    environ = os.environ if environ is None else environ
+    if environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.device_count() > 0:
+        return None
+    archs = []
+    for name in torch.cuda.get_arch_list():  # "sm_80", "sm_120"; "compute_*" entries are PTX already
+        digits = name.removeprefix("sm_")
+        if name.startswith("sm_") and digits.isdigit() and len(digits) >= 2:
+            archs.append(f"{digits[:-1]}.{digits[-1]}")
+    return ";".join(archs) + "+PTX" if archs else FALLBACK_CUDA_ARCHS
 
 
 def config(root: Path, torch: ModuleType, with_cuda: bool) -> BuildConfig:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
+from ..user_errors import UserError
 from .discover import discover
 from .env import build_env
 from .model import LEGEND, Topology, format_cpu_list
@@ -24,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
         "--from", dest="from_file", metavar="FILE", help="read saved `nvidia-smi topo -m` output ('-' = stdin)"
     )
     p.add_argument("--matrix", action="store_true", help="print only the link matrix with its legend")
-    p.add_argument("--json", action="store_true", help="print the topology (and selection) as JSON")
+    p.add_argument("--json", action="store_true", help="print the topology (and selection; with --env, the settings) as JSON")
     p.add_argument("--select", type=int, metavar="K", help="choose the best K GPUs and explain the choice")
     p.add_argument(
         "--env", action="store_true", help="print eval-able export lines (uses --select K, else all free GPUs)"
@@ -136,14 +138,17 @@ def main(argv: list[str] | None = None) -> int:
         else:
             topology = discover()
         selection = _selection(topology, args)
-    except (OSError, ValueError) as exc:
-        print(f"fastpar topo: error: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # a saved output that isn't one, a selection that can't be made
+        raise UserError(str(exc)) from exc
     this_machine = not args.from_file
     if args.json:
         data = json.loads(topology.to_json())
         if selection is not None:
             data["selection"] = selection.to_dict()
+        if args.env:  # the same settings as --env prints, as name -> value (and the comments explaining them)
+            network, note = (topology, "") if this_machine else _other_machine_network()
+            data["env"], data["env_notes"] = _env_dict(build_env(topology, selection, environ=os.environ,
+                                                                 network=network, network_note=note))  # fmt: skip
         print(json.dumps(data, indent=2))
     elif args.env:
         network, note = (topology, "") if this_machine else _other_machine_network()
@@ -155,6 +160,18 @@ def main(argv: list[str] | None = None) -> int:
         if selection is not None:
             print("\n" + str(selection))
     return 0
+
+
+def _env_dict(lines: list[str]) -> tuple[dict[str, str], list[str]]:
+    """``export NAME=value`` lines as {NAME: value}; the comment lines, without their ``#``."""
+    env, notes = {}, []
+    for line in lines:
+        if line.startswith("export "):
+            name, _, value = line.removeprefix("export ").partition("=")
+            env[name] = shlex.split(value)[0] if value else ""
+        elif line.startswith("#"):
+            notes.append(line.lstrip("# ").rstrip())
+    return env, notes
 
 
 def _read_saved_output(path: str) -> str:

@@ -27,7 +27,7 @@ from .._optional import require
 from ..user_errors import UserError
 from .checkpoint import check_writable
 from .options import ENVIRONMENTS, TrainingOptions
-from .trainer import Trainer
+from .trainer import Trainer, TrainingResult
 
 _MB_PER_IMAGE = 0.005  # a 48x48 JPEG of the hard set, with its share of checkpoints and plots: ~5 MB by default
 
@@ -90,19 +90,26 @@ def _number(kind: type, minimum: float, *, above: bool = False):
 
 def _parser() -> argparse.ArgumentParser:
     positive = _number(int, 1)
-    p = argparse.ArgumentParser(prog="fastpar demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="fastpar demo",
+        description="Generate a small image-classification set and train a CNN on it with fastpar's Trainer: "
+        "data-parallel on all GPUs, one GPU or CPU processes, with a progress bar, metrics, a training plot and "
+        "checkpoints.",
+    )
     p.add_argument("--dir", type=Path, default=None, help="where data and outputs go (default: a new temp folder)")
-    p.add_argument("--epochs", type=positive, default=6)
-    p.add_argument("--classes", type=_number(int, 2), default=4)
+    p.add_argument("--epochs", type=positive, default=6, help="passes over the training images (default 6)")
+    p.add_argument("--classes", type=_number(int, 2), default=4, help="image classes to generate (default 4)")
     p.add_argument("--per-class", type=positive, default=200, help="training images per class (validation: a quarter)")
     p.add_argument("--image-size", type=_number(int, 8), default=32, help="side of the square crops the CNN sees")
     p.add_argument("--batch-size", type=positive, default=32, help="per process")
     p.add_argument(
         "--lr", type=_number(float, 0, above=True), default=1e-2, help="peak learning rate of the one-cycle schedule"
     )
-    p.add_argument("--environment", choices=ENVIRONMENTS, default="auto", help="execution_environment")
+    p.add_argument("--environment", choices=ENVIRONMENTS, default="auto",
+                   help="where to train: TrainingOptions.execution_environment (default auto)")  # fmt: skip
     p.add_argument("--devices", type=positive, default=None, help="CPU processes or GPUs (default: all GPUs / 2 CPUs)")
-    p.add_argument("--ddp", choices=("auto", "torch", "fastpar"), default="auto")
+    p.add_argument("--ddp", choices=("auto", "torch", "fastpar"), default="auto",
+                   help="gradient sync: fastpar's DistributedDataParallel, torch's, or auto (default)")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue (or extend, with more --epochs) the run in --dir")
     return p
 
@@ -175,14 +182,21 @@ def main(argv: list[str] | None = None) -> int:
     throughput = statistics.median(r["samples_per_s"] for r in trained[1:] or trained or result.history)
     accuracy = result.last("val_accuracy")
     print(f"\nvalidation accuracy {100 * accuracy:.1f}% ({args.classes} classes, chance {100 / args.classes:.0f}%)")
-    print(
-        f"throughput {throughput:.0f} samples/s on {processes} process(es); "
-        f"{result.steps} steps in {result.elapsed:.1f} s of training"
-    )
+    print(summary_line(result, throughput, processes))
     print(f"progress plot  {result.plot_path}")
     print(f"metrics        {result.metrics_path}")
     print(f"checkpoints    {', '.join(result.checkpoints)}")
     return 0
+
+
+def summary_line(result: TrainingResult, throughput: float, processes: int) -> str:
+    """This call's steps, seconds and throughput; after --resume, the whole run's totals said apart."""
+    line = (f"throughput {throughput:.0f} samples/s on {processes} process(es); "
+            f"{result.steps_this_call} steps in {result.elapsed_this_call:.1f} s of training")  # fmt: skip
+    if result.start_step > 0:
+        line += (f" this time (resumed at step {result.start_step}; the whole run: {result.steps} steps in "
+                 f"{result.elapsed:.1f} s)")  # fmt: skip
+    return line
 
 
 def _processes(environment: str, devices: int | None) -> int:

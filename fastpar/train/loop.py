@@ -366,6 +366,7 @@ class Run:
             "stopped_early": self.step < self.total_steps,
             "steps": self.step,
             "start_step": self.start_step,
+            "start_elapsed": self.elapsed_before,
             "metrics_path": str(self.metrics.path),
             "plot_path": str(self.plot_path) if self.plot_path and self.plot_path.exists() else None,
             "checkpoints": self.checkpoints,

@@ -26,9 +26,18 @@ class TrainingResult:
     plot_path: str | None
     checkpoints: list[str]
     stopped_early: bool  # an output function returned True
-    steps: int
-    elapsed: float
+    steps: int  # of the whole run, earlier (resumed) calls included
+    elapsed: float  # seconds of training of the whole run, earlier (resumed) calls included
     start_step: int = 0  # the step this call started (or resumed) at; == steps when there was nothing to train
+    start_elapsed: float = 0.0  # seconds of training before this call (a resumed run's earlier calls)
+
+    @property
+    def steps_this_call(self) -> int:
+        return self.steps - self.start_step
+
+    @property
+    def elapsed_this_call(self) -> float:
+        return self.elapsed - self.start_elapsed
 
     @property
     def final(self) -> dict[str, Any]:
@@ -129,4 +138,5 @@ class Trainer:
             steps=raw["steps"],
             elapsed=raw["elapsed"],
             start_step=raw["start_step"],
+            start_elapsed=raw.get("start_elapsed", 0.0),
         )

@@ -388,3 +388,19 @@ def test_bench_data_against_a_bucket_url(s3, capsys):
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert "s3://imgs/train (36 images; local copy" in out and "s3_cached_torch" in out
+
+
+def test_local_server_leaves_no_temporary_folder(folders):
+    with LocalS3({"imgs": folders / "imgs"}) as s3:
+        workdir = s3.workdir
+        assert (workdir / "server.log").exists()
+        s3.restart()  # a restart keeps the folder: the server still writes there
+        assert workdir.is_dir()
+    assert not workdir.exists()
+    unused = LocalS3({"imgs": folders / "imgs"})  # never started, never closed: goes with the object
+    workdir = unused.workdir
+    del unused
+    import gc
+
+    gc.collect()
+    assert not workdir.exists()

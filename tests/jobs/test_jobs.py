@@ -28,6 +28,7 @@ from fastpar.jobs.cli import main as jobs_cli  # noqa: E402
 from fastpar.jobs.executor import local_gpus  # noqa: E402
 from fastpar.launcher import spawn  # noqa: E402
 from fastpar.topology import parse_nvidia_smi  # noqa: E402
+from fastpar.user_errors import UserError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -181,7 +182,7 @@ def test_submit_future_result_callback_progress_and_failure(jobs_dir):
 
 
 def test_cancel_stops_a_running_trainer_and_every_process_it_started(jobs_dir, tmp_path):
-    future = fastpar.submit(long_cpu_training, str(tmp_path / "out"))
+    future = fastpar.submit(long_cpu_training, str(tmp_path / "out"), cluster="local")
     deadline = time.time() + 300
     while future.progress() is None:  # the Trainer has logged a step: agent and both workers are up
         assert not future.done(), future.exception()
@@ -201,6 +202,30 @@ def test_cancel_stops_a_running_trainer_and_every_process_it_started(jobs_dir, t
     assert not orphans, f"orphans of the job's session: {orphans}"
     with pytest.raises(concurrent.futures.CancelledError):
         future.result(timeout=5)
+
+
+def starts_a_daemon(pid_file: str) -> None:
+    """Starts a process in a session of its own whose parent exits at once (a daemon's double fork)."""
+    subprocess.run(["setsid", "sh", "-c", f"sleep 600 & echo $! > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}"],
+                   check=True)  # fmt: skip
+    time.sleep(600)
+
+
+def test_cancel_stops_processes_that_left_the_jobs_session(jobs_dir, tmp_path):
+    pid_file = tmp_path / "daemon.pid"
+    future = fastpar.submit(starts_a_daemon, str(pid_file), cluster="local")
+    deadline = time.time() + 120
+    while not pid_file.exists():
+        assert not future.done(), future.exception()
+        assert time.time() < deadline, "the job never started its daemon"
+        time.sleep(0.2)
+    daemon = proctree.read_proc(int(pid_file.read_text()))
+    assert daemon is not None and daemon.alive
+    leader = int(future.record.cluster_job_id)
+    assert daemon.session != leader and daemon.ppid != leader  # neither in the session nor a child of it
+    assert future.cancel()
+    now = proctree.read_proc(daemon.pid)
+    assert now is None or not now.alive or now.start_ticks != daemon.start_ticks, f"daemon {daemon} still running"
 
 
 # --- batch: survives the submitter, fetched by id -------------------------------------------------------
@@ -254,7 +279,8 @@ def test_jobs_cli_list_status_logs_result_cancel(jobs_dir, capsys):
     assert jobs_cli(["result", bad.id]) == 1 and "KeyError" in capsys.readouterr().err
     assert jobs_cli(["logs", ok.id]) == 0 and "Starting with JobEnvironment" in capsys.readouterr().out
     assert jobs_cli(["cancel", ok.id]) == 0 and "already ended (COMPLETED)" in capsys.readouterr().out
-    assert jobs_cli(["status", "nosuchjob"]) == 2 and "no fastpar job 'nosuchjob'" in capsys.readouterr().err
+    with pytest.raises(UserError, match="no fastpar job .nosuchjob."):
+        jobs_cli(["status", "nosuchjob"])
 
 
 # --- bad input: clear errors before anything is submitted ---------------------------------------------------
@@ -275,15 +301,15 @@ def test_bad_input_is_refused_before_anything_is_submitted(jobs_dir, tmp_path):
 
     with pytest.raises(jobs.JobNotFoundError, match="no fastpar job 'deadbeef'"):
         jobs.load("deadbeef")
-    gpus = local_gpus()
+    gpus = local_gpus()  # more than this machine has (on a cluster, the cluster judges: test_jobs_slurm.py)
     with pytest.raises(ValueError, match=f"asks for {gpus + 1} GPU"):
-        fastpar.submit(add, 1, 2, resources={"gpus_per_node": gpus + 1})
+        fastpar.submit(add, 1, 2, resources={"gpus_per_node": gpus + 1}, cluster="local")
     with pytest.raises(ValueError, match=f"asks for {gpus + 2} GPU"):
-        fastpar.batch(add, 1, 2, gpus_per_node=gpus + 2)
+        fastpar.batch(add, 1, 2, gpus_per_node=gpus + 2, cluster="local")
     with pytest.raises(ValueError, match=f"gpus_per_trial={gpus + 1}, but this machine has {gpus} GPU"):
-        fastpar.sweep(add, [1], gpus_per_trial=gpus + 1, folder=tmp_path / "g", live=False)
+        fastpar.sweep(add, [1], gpus_per_trial=gpus + 1, folder=tmp_path / "g", live=False, cluster="local")
     with pytest.raises(ValueError, match="cpus_per_trial=999"):
-        fastpar.sweep(add, [1], cpus_per_trial=999, folder=tmp_path / "c", live=False)
+        fastpar.sweep(add, [1], cpus_per_trial=999, folder=tmp_path / "c", live=False, cluster="local")
     with pytest.raises(ValueError, match="unknown resource 'gpus'"):
         fastpar.submit(add, 1, 2, resources={"gpus": 1})
     with pytest.raises(ValueError, match="non-empty list of configs"):
@@ -328,3 +354,29 @@ def test_bench_sweep_refuses_bad_flags(capsys):
     assert "--slots must be between 1 and" in capsys.readouterr().err
     assert main(["bench", "sweep", "-n", "3"]) == 2
     assert "-n must be 1" in capsys.readouterr().err
+
+
+def test_sweep_record_and_table_show_the_same_epoch(tmp_path):
+    from fastpar.jobs.channel import PROGRESS_FILE
+    from fastpar.jobs.live import LiveTable
+    from fastpar.jobs.results import COMPLETED, Trial, record_of
+    from fastpar.train.trainer import TrainingResult
+
+    # the last step a Trainer logs in its 4th (last) epoch: metrics.jsonl counts epochs from 0
+    step = {"state": "iteration", "epoch": 3, "iteration": 40, "loss": 0.5, "accuracy": 0.8, "val_loss": 0.6,
+            "val_accuracy": 0.75, "lr": 0.01, "elapsed": 3.0, "samples_per_s": 900.0, "max_epochs": 4,
+            "total_steps": 40}  # fmt: skip
+    trainer_folder, report_folder = tmp_path / "trainer", tmp_path / "report"
+    for folder, record in ((trainer_folder, step), (report_folder, {"time": 1.0, "epoch": 3, "value": 2.0})):
+        folder.mkdir()
+        (folder / PROGRESS_FILE).write_text(json.dumps(record) + "\n")
+    result = TrainingResult(None, [step], None, None, [], False, steps=40, elapsed=3.0)
+    trained = Trial(0, "a", {"lr": 0.1}, trainer_folder, state=COMPLETED, result=result)
+    reported = Trial(1, "b", {"lr": 0.2}, report_folder, state=COMPLETED, result=2.0)
+    table = LiveTable([trained, reported], live=False)
+    epoch_column = 4
+    for trial in (trained, reported):
+        record = record_of(trial, json.loads((trial.folder / PROGRESS_FILE).read_text()))
+        assert str(record["epoch"]) == table.row(trial)[epoch_column]
+    assert record_of(trained, step)["epoch"] == 4  # as the Trainer's progress bar says: epoch 4 of 4
+    assert record_of(reported, {"epoch": 3, "value": 2.0})["epoch"] == 3  # a reported epoch stays as given

@@ -3,8 +3,9 @@
 - The trainer's ``cluster`` environment as two torchrun agents on this machine (``--nnodes=2``, node ranks 0
   and 1, c10d rendezvous on 127.0.0.1) ends bit-identical to one agent with the same number of processes;
   so does ``fastpar.batch(script, nodes=2)`` on the local executor (two agents meeting on 127.0.0.1).
-- Slurm isn't installed here: fake ``srun``/``sbatch``/``sacct``/``scancel`` on PATH record what submitit
-  would hand to Slurm, and the generated sbatch scripts are checked for several resource requests.
+- Stand-in ``srun``/``sbatch``/``sinfo``/``sacct``/``scancel`` on PATH record what submitit would hand to
+  Slurm, and the generated sbatch scripts are checked for several resource requests (the real cluster's
+  tests are in test_jobs_slurm.py).
 """
 
 from __future__ import annotations
@@ -92,11 +93,11 @@ echo "Submitted batch job $((4200 + n))"
 
 @pytest.fixture
 def fake_slurm(tmp_path, monkeypatch) -> Path:
-    """srun/sbatch/sacct/scancel stand-ins: sbatch keeps each script it is given and answers a job id."""
+    """srun/sbatch/sinfo/sacct/scancel stand-ins: sbatch keeps each script it is given and answers a job id."""
     bin_dir, record = tmp_path / "bin", tmp_path / "slurm"
     bin_dir.mkdir()
     record.mkdir()
-    tools = {"sbatch": FAKE_SBATCH, "srun": "#!/bin/sh\nexit 0\n",
+    tools = {"sbatch": FAKE_SBATCH, "srun": "#!/bin/sh\nexit 0\n", "sinfo": "#!/bin/sh\necho 'debug up'\n",
              "sacct": "#!/bin/sh\necho 'JobID|State|NodeList'\n",
              "scancel": '#!/bin/sh\necho "$@" >> "$FAKE_SLURM_DIR/scancel.log"\n'}  # fmt: skip
     for name, text in tools.items():
@@ -149,6 +150,7 @@ def test_sbatch_scripts_for_several_resource_requests(fake_slurm, tmp_path, monk
         "constraint": "h100"}  # fmt: skip
     command = text.strip().splitlines()[-1]
     assert command.startswith("srun --unbuffered --output") and "-m submitit.core._submit" in command
+    assert "--cpu-bind=cores" in command and flags["cpus-per-task"] == "1"  # each task bound to the cores it asked for
     assert str(two.folder) in command
     assert two.record.num_tasks == 2 and two.record.result_from == "rank0"
     agent, args = _submitted_call(two)
@@ -177,6 +179,45 @@ def test_sbatch_scripts_for_several_resource_requests(fake_slurm, tmp_path, monk
 
 
 def test_slurm_without_slurm_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no srun anywhere
-    with pytest.raises(RuntimeError, match="srun/sbatch are not on this machine's PATH"):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm anywhere
+    with pytest.raises(RuntimeError, match="sinfo/sbatch are not on this machine's PATH"):
         fastpar.submit(add, 1, 2, cluster="slurm")
+
+
+def _slurm_client_without_controller(tmp_path, monkeypatch) -> None:
+    """Slurm's client tools whose controller never answers, as on a machine where only the client is installed."""
+    bin_dir = tmp_path / "client"
+    bin_dir.mkdir()
+    for name in ("sinfo", "sbatch", "srun", "squeue", "scontrol"):
+        (bin_dir / name).write_text("#!/bin/sh\necho 'slurm_load_partitions: Unable to contact slurm controller "
+                                    "(connect failure)' >&2\nexit 1\n")  # fmt: skip
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FASTPAR_JOBS_DIR", str(tmp_path / "jobs"))
+
+
+def test_slurm_client_without_a_controller_is_one_clear_error(monkeypatch, tmp_path):
+    _slurm_client_without_controller(tmp_path, monkeypatch)
+    with pytest.raises(RuntimeError) as caught:
+        fastpar.submit(add, 1, 2, cluster="slurm")
+    message = str(caught.value)
+    assert "\n" not in message and "Unable to contact slurm controller" in message and "cluster='local'" in message
+    assert not (tmp_path / "jobs").exists()  # nothing was submitted
+
+
+def test_auto_runs_locally_and_says_so_when_no_controller_answers(monkeypatch, tmp_path, capfd):
+    _slurm_client_without_controller(tmp_path, monkeypatch)
+    future = fastpar.submit(add, 1, 2)
+    assert future.record.cluster == "local"
+    assert future.result(timeout=120) == 3
+    lines = [line for line in capfd.readouterr().err.splitlines() if "Slurm" in line]
+    assert len(lines) == 1 and "running jobs on this machine" in lines[0], lines
+
+
+@pytest.mark.parametrize("resources", [{"cpus_per_task": 0}, {"cpus_per_task": -2}, {"mem_gb": -1}, {"mem_gb": 0},
+                                       {"gpus_per_node": -1}, {"timeout_min": 0}, {"slurm_cpus_per_gpu": -4}])
+def test_out_of_range_resources_are_refused_before_submitting(fake_slurm, resources):
+    key = next(iter(resources))
+    with pytest.raises(ValueError, match=f"{key} must"):
+        fastpar.submit(add, 1, 2, cluster="slurm", resources=resources)
+    assert not list(fake_slurm.iterdir())  # sbatch never ran

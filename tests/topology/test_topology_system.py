@@ -10,11 +10,18 @@ from types import SimpleNamespace
 
 import pytest
 
+from fastpar import cli
 from fastpar.topology import Topology, build_env, discover, parse_nvidia_smi, select_devices, sysfs
-from fastpar.topology.cli import main
 from fastpar.topology.nvml import NvmlUnavailable, read_nvml
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "topo"
+
+
+def main(argv: list[str]) -> int:
+    """``fastpar topo ARGV`` as the command runs it (its errors: one line, exit status 2)."""
+    return cli.main(["topo", *argv])
+
+
 GPU0_DEV = "devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0"  # behind a switch
 NIC_DEV = "devices/pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:01.0/0000:04:00.0"  # same switch
 GPU1_DEV = "devices/pci0000:80/0000:80:01.0/0000:81:00.0"  # other socket
@@ -314,3 +321,15 @@ def test_cli_reads_utf16_and_bom_files_and_rejects_empty_binary_missing(tmp_path
         assert main(["--from", str(tmp_path / name)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("fastpar topo: error: ") and message in err and "Traceback" not in err
+        assert len(err.splitlines()) == 1
+
+
+def test_cli_json_with_env_carries_the_settings(capsys):
+    dgx = str(FIXTURES / "hgx_h100_nvswitch_nic_legend.txt")
+    assert main(["--from", dgx, "--select", "2", "--env"]) == 0
+    exported = _eval_in_bash(capsys.readouterr().out.splitlines(), {"PATH": os.environ["PATH"]})
+    assert main(["--from", dgx, "--select", "2", "--env", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["selection"]["devices"] == [0, 1] and data["env"]["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert {k: exported[k] for k in data["env"]} == data["env"]  # the values --env exports, exactly
+    assert any("NCCL_SOCKET_IFNAME" in note for note in data["env_notes"])

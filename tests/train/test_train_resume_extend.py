@@ -69,6 +69,8 @@ def test_finished_run_is_extended_on_the_replanned_schedule(tmp_path, capsys):
     assert "resuming from" in out and "at step 18 (3 of 5 epochs done)" in out
     assert "planned for 18 steps, now 30" in out
     assert extended.start_step == 18 and extended.steps == 30 and not extended.stopped_early
+    assert extended.steps_this_call == 12 and 0 < extended.start_elapsed <= first.elapsed
+    assert 0 < extended.elapsed_this_call < extended.elapsed
     lrs = reference_lrs(30)
     after = [r for r in extended.history if r["iteration"] > 18]
     assert [r["iteration"] for r in after] == list(range(19, 31))
@@ -135,3 +137,16 @@ def test_progress_bar_is_tqdm_in_a_terminal_and_plain_lines_in_a_log():
     assert len(lines) == 2 and "\r" not in log.getvalue()
     assert lines[0].startswith("epoch 1/2  step 5/10 [") and "loss 0.5000  acc 75.0%" in lines[0]
     assert lines[1].startswith("epoch 2/2  step 10/10 [########################]")
+
+
+def test_demo_summary_says_this_calls_numbers_apart_from_the_whole_runs():
+    from fastpar.train.demo import summary_line
+    from fastpar.train.trainer import TrainingResult
+
+    fresh = TrainingResult(None, [], None, None, [], False, steps=60, elapsed=14.0)
+    assert summary_line(fresh, 850.0, 2) == "throughput 850 samples/s on 2 process(es); 60 steps in 14.0 s of training"
+    resumed = TrainingResult(None, [], None, None, [], False, steps=120, elapsed=30.0, start_step=60, start_elapsed=14.0)
+    assert summary_line(resumed, 850.0, 2) == (
+        "throughput 850 samples/s on 2 process(es); 60 steps in 16.0 s of training this time "
+        "(resumed at step 60; the whole run: 120 steps in 30.0 s)"
+    )

@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--count", type=int, default=600, help="images to generate (default 600)")
     group.add_argument("--image-size", default="500x375", help="generated image WIDTHxHEIGHT (default 500x375)")
     group.add_argument("--images", help="use this class-folder of JPEGs instead of generating one")
-    group.add_argument("--root", help="a class folder, or an object-store URL (s3://bucket/prefix) to read against "
-                       "a local copy of it")  # fmt: skip
+    group.add_argument("--root", help="a class folder, or an object-store URL (s3://bucket/prefix): reading it is "
+                       "timed against a local copy of it")  # fmt: skip
     group.add_argument("--local-s3", action="store_true", help="serve the generated images from a local moto S3 "
                        "server and read them from it, against the local folder")  # fmt: skip
     group.add_argument("--workers", type=int, default=2, help="DALI threads = DataLoader workers (default 2)")
@@ -66,15 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def image_folder(images: str | None, count: int, image_size: str) -> Path:
-    """The folder to read: ``images`` (``--images``), or a generated one cached by count and size."""
+def image_folder(images: str | None, count: int, image_size: str, flag: str = "--images") -> Path:
+    """The folder to read: ``images`` (given with ``flag``), or a generated one cached by count and size."""
     if images:
         from ...data import scan_image_folder
 
         try:
             scan_image_folder(images)
         except (OSError, ValueError) as exc:  # missing, empty, no class folders, no images
-            raise BenchUsageError(f"--images: {exc}") from None
+            raise BenchUsageError(f"{flag}: {exc}") from None
         return Path(images)
     from ...data.synthetic import make_image_folder
 
@@ -170,7 +170,8 @@ def run(ctx: BenchContext) -> BenchReport:
         data_remote.check(ctx)
         torch.set_num_threads(ctx.threads)
         return data_remote.run(ctx, device, lambda: image_folder(None, flags.count, flags.image_size))
-    root = image_folder(flags.images or flags.root, flags.count, flags.image_size)
+    root = image_folder(flags.images or flags.root, flags.count, flags.image_size,
+                        "--images" if flags.images else "--root")  # fmt: skip
     torch.set_num_threads(ctx.threads)
     calls, produced, notes = _pipelines(root, flags, device)
     for name, call in calls.items():  # correctness first: every pipeline yields the whole folder

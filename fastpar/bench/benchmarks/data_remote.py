@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -73,16 +74,16 @@ def run(ctx: BenchContext, device: torch.device, local_folder: Callable[[], Path
     flags = ctx.flags
     if flags.local_s3 and flags.root:
         raise BenchUsageError("--local-s3 serves generated images; drop --root (or drop --local-s3 to read --root)")
-    work = Path(tempfile.mkdtemp(prefix="fastpar-bench-s3-"))
+    work = Path(tempfile.mkdtemp(prefix="fastpar-bench-s3-"))  # the local copy and the cache: removed at the end
     server, notes, saved_env = None, [], dict(os.environ)
-    if flags.local_s3:
-        root = local_folder()
-        server = LocalS3({"fastpar-bench": root}).start()
-        os.environ.update(server.env())  # this process's clients (boto3 and DALI's) go to the local server
-        url = "s3://fastpar-bench"
-    else:
-        url, root = flags.root, _download(flags.root, work / "local")
     try:
+        if flags.local_s3:
+            root = local_folder()
+            server = LocalS3({"fastpar-bench": root}).start()
+            os.environ.update(server.env())  # this process's clients (boto3 and DALI's) go to the local server
+            url = "s3://fastpar-bench"
+        else:
+            url, root = flags.root, _download(flags.root, work / "local")
         backends = (["dali"] if available("nvidia.dali") else []) + ["torch"]
         common = dict(size=flags.size, num_threads=flags.workers, device=device, rank=0, world_size=1)
         loaders = {}
@@ -115,9 +116,10 @@ def run(ctx: BenchContext, device: torch.device, local_folder: Callable[[], Path
         return _report(ctx, url, root, device, samples, loaders, server is not None, notes)
     finally:
         if server is not None:
-            server.stop()
+            server.close()
             os.environ.clear()
             os.environ.update(saved_env)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def _settle(server, quiet_s: float = 1.0, limit_s: float = 30.0) -> None:

@@ -21,7 +21,6 @@ import argparse
 import datetime
 import importlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -256,8 +255,9 @@ def run(ctx: BenchContext) -> BenchReport | None:
         raise BenchUsageError(f"--caps must be positive MB, got {flags.caps!r}")
     if flags.batch < 1 or flags.steps < 1:
         raise BenchUsageError("--batch and --steps must be at least 1")
-    if Path(flags.profile).is_dir():
-        raise BenchUsageError(f"--profile {flags.profile}: is a directory; name a file")
+    from ..cli import check_writable
+
+    check_writable(flags.profile, "--profile", directory=False)  # before minutes of measuring, not after
     _model_factory(flags.model, flags.batch)  # a bad --model fails here, before any rank starts
     world = launch.resolve_world(ctx.nproc, ctx.backend)
     if world.nproc < 2:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...user_errors import UserError
 from .urls import ObjectURL
 
 
-class ObjectStoreError(OSError):
-    """Reading data from an object store failed."""
+class ObjectStoreError(OSError, UserError):
+    """Reading data from an object store failed (the ``fastpar`` command shows it as one line)."""
 
 
 class BucketNotFoundError(ObjectStoreError, FileNotFoundError):
@@ -21,6 +22,10 @@ class BucketNotFoundError(ObjectStoreError, FileNotFoundError):
 
 class StoreAccessError(ObjectStoreError, PermissionError):
     """The store refused the request: no permission, or credentials it does not accept."""
+
+
+class StoreUnreachableError(ObjectStoreError, ConnectionRefusedError):
+    """Nothing listens at the store's endpoint (connection refused)."""
 
 
 class ObjectReadError(ObjectStoreError):

@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,8 @@ class LocalS3:
         self.buckets = {name: str(Path(folder).resolve()) for name, folder in buckets.items()}
         self.auth, self.port, self.startup_timeout_s = auth, port or free_port(), startup_timeout_s
         self.workdir = Path(tempfile.mkdtemp(prefix="fastpar-local-s3-"))
+        # its log and ready file go when the server object does (or at exit): stop() keeps them for restart()
+        self._remove_workdir = weakref.finalize(self, shutil.rmtree, self.workdir, ignore_errors=True)
         self.users: dict[str, dict[str, str]] = {}  # auth=True: user -> access key id/secret
         self._proc: subprocess.Popen | None = None
 
@@ -90,6 +94,11 @@ class LocalS3:
             self._proc.kill()
             self._proc.wait(30)
         self._proc = None
+
+    def close(self) -> None:
+        """Stop the server for good and remove its working folder."""
+        self.stop()
+        self._remove_workdir()
 
     def restart(self, down_s: float = 0.0) -> None:
         """Stop now; start again on the same port (same objects and ETags) after ``down_s`` seconds."""
@@ -130,7 +139,7 @@ class LocalS3:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        self.close()
 
 
 class _Faults:

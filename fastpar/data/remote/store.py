@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..._optional import require
-from .errors import BucketNotFoundError, ObjectReadError, ObjectStoreError, StoreAccessError, s3_error
+from .errors import (
+    BucketNotFoundError,
+    ObjectReadError,
+    ObjectStoreError,
+    StoreAccessError,
+    StoreUnreachableError,
+    s3_error,  # fmt: skip
+)
 from .urls import ObjectURL
 
 T = TypeVar("T")
@@ -133,6 +140,7 @@ class S3Store:
         self.credential_source = "?"  # where the client found credentials (env, iam-role, ...): for messages
         self._client: Any = None
         self._pid = -1
+        self.reached = False  # a request got an answer: a later refusal is a restart, worth retrying
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:  # pickled into DataLoader workers / spawned ranks: no client
@@ -190,12 +198,20 @@ class S3Store:
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         """One request: retryable failures become _Retryable, the others an error that says what to do."""
-        from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError, NoCredentialsError
+        from botocore.exceptions import (
+            ClientError,
+            EndpointConnectionError,
+            HTTPClientError,
+            IncompleteReadError,
+            NoCredentialsError,
+        )
         from botocore.exceptions import ConnectionError as TransportError
 
         self.stats.add(requests=1)
         try:
-            return fn()
+            answer = fn()
+            self.reached = True
+            return answer
         except ClientError as exc:
             error = exc.response.get("Error", {})
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
@@ -208,7 +224,14 @@ class S3Store:
                 "(~/.aws/credentials), or run where an instance/container role applies; for a public bucket pass "
                 "StoreOptions(anonymous=True)"
             ) from exc
-        except (TransportError, HTTPClientError, IncompleteReadError) as exc:  # refused, reset, timed out, cut off
+        except EndpointConnectionError as exc:
+            if self.reached or "refused" not in str(exc.kwargs.get("error", "")).lower():
+                raise _Retryable(exc) from exc  # a server that answered before (restarting?), a timeout: may pass
+            raise StoreUnreachableError(  # nothing has ever listened there: retrying won't change that
+                f"connection refused at {self.endpoint} when {what}: no S3 server answers there; start it, or fix the "
+                "endpoint (AWS_ENDPOINT_URL or endpoint_url=)"
+            ) from exc
+        except (TransportError, HTTPClientError, IncompleteReadError) as exc:  # reset, timed out, cut off
             raise _Retryable(exc) from exc
 
     def list(self) -> list[ObjectInfo]:
