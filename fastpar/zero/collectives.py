@@ -20,12 +20,15 @@ the same model gives the same bits; its reduce-scatter sums in another order), c
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..ddp.errors import StuckBucketDiagnoser, pg_timeout_seconds
+from ..ddp.waiting import BucketWaiter
 from .gloo_order import reduce_in_ring_order
-from .layout import ShardedBucket
+from .layout import ShardedBucket, build_sharded_buckets, reference_positions
 from .p2p_posting import PostingThread, post_inline
 
 __all__ = ["EXCHANGES", "ZeroCollective", "resolve_exchange"]
@@ -44,24 +47,42 @@ def resolve_exchange(exchange: str, group: dist.ProcessGroup) -> str:
 
 
 class ZeroCollective:
-    """The reducer's ``bucket_collective`` in ZeRO mode, and the all-gather after each step."""
+    """ZeRO's :class:`~fastpar.ddp.bucket_collective.BucketCollective` (installed in the reducer by the optimizer),
+    and the all-gather after each step."""
 
-    def __init__(self, reducer, sharded: list[ShardedBucket], exchange: str, tag_base: int) -> None:
-        """``tag_base``: this optimizer's point-to-point tags are ``tag_base + 2 * bucket index (+ 1: gather)``,
-        apart from other optimizers' and user sends (tag 0)."""
+    description = "a ShardedOptimizer (its optimizer is sharded: ZeRO reduce-scatters the gradients)"
+    operation = "reduce-scatter of gradient bucket"
+
+    def __init__(self, reducer, group_of_slot: Mapping[int, int], exchange: str, tag_base: int, instance: int) -> None:
+        """``group_of_slot``: slot index -> the optimizer's param group (a bucket holds one group's parameters).
+        ``tag_base``: this optimizer's point-to-point tags are ``tag_base + 2 * bucket index (+ 1: gather)``,
+        apart from other optimizers' and user sends (tag 0). ``instance``: the same number on every rank."""
         self.reducer = reducer
         self.group = reducer.group
         self.rank, self.world_size = self.group.rank(), self.group.size()
-        self.sharded = sharded
+        self.group_of_slot = group_of_slot
+        self.sharded: list[ShardedBucket] = []  # built at installation (build_buckets)
         self.exchange = resolve_exchange(exchange, self.group)
         self.peers = [q for q in range(self.world_size) if q != self.rank]
         self.tag_base = tag_base
-        self.gather_waiter = None  # a BucketWaiter naming the all-gather; set by the optimizer
+        self.diagnosis_key = f"zero{instance}/rs"
+        diagnoser = StuckBucketDiagnoser(
+            self.group, f"zero{instance}/ag", "all-gather of the updated parameters of bucket"
+        )
+        self.gather_waiter = BucketWaiter(reducer.device, pg_timeout_seconds(self.group, reducer.device),
+                                          diagnoser.diagnose)  # fmt: skip
         self._poster = PostingThread() if reducer.device.type == "cpu" else None
         if self._poster is not None:
             weakref.finalize(self, self._poster.close)  # the thread ends with the model
 
-    # ---- the reducer's interface ---------------------------------------------------------------
+    # ---- the reducer's interface (BucketCollective) --------------------------------------------
+    def build_buckets(self, layout: Sequence[Sequence[int]]) -> list:
+        """The padded buckets of ``layout`` split by param group, the parameters moved into their flat buffers."""
+        reducer = self.reducer
+        self.sharded = build_sharded_buckets(reducer.slots, layout, self.group_of_slot, reducer.grad_dtype,
+                                             self.rank, self.world_size)  # fmt: skip
+        return [zb.bucket for zb in self.sharded]
+
     def start(self, bucket) -> object:
         """Reduce-scatter one bucket's ``comm_flat`` (staged and scaled by the reducer, as for DDP)."""
         zb = self.sharded[bucket.index]
@@ -89,9 +110,7 @@ class ZeroCollective:
         for slot in bucket.slots:
             slot.param.grad = None
 
-    def follow_layout(self, assignment: list[list[int]]) -> None:
-        from .layout import reference_positions
-
+    def follow_layout(self, assignment: Sequence[Sequence[int]]) -> None:
         reference = reference_positions(assignment, self.reducer.slots)
         for zb in self.sharded:
             zb.follow_reference(reference)
