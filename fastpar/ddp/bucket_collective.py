@@ -15,6 +15,9 @@ What the reducer does with an installed collective, each synchronised backward:
 3. at the end of backward: wait for ``work`` (a ``Work``, a ``Future`` or anything with ``wait(timeout)``
    and ``is_completed()``), then ``collective.finish(bucket, result, globally_unused)``.
 
+Before a backward adds onto existing gradients (a second backward before the optimizer step, synchronised
+or under ``no_sync``), ``collective.before_accumulate()``.
+
 At torch's bucket rebuild the reducer keeps the collective's buckets and calls ``follow_layout`` with the
 layout torch's DDP would reduce from then on (at 3+ ranks the summation order depends on it).
 """
@@ -58,6 +61,12 @@ class BucketCollective(Protocol):
     def finish(self, bucket: Bucket, result: torch.Tensor | None, globally_unused: frozenset[int]) -> None:
         """After the wait: leave the reduced gradients where the optimizer reads them. ``result``: what the wait
         returned (None for an in-place ``Work``); ``globally_unused``: slot indices no rank used this backward."""
+        ...
+
+    def before_accumulate(self) -> None:
+        """A backward is about to add gradients onto ``.grad`` (called at the start of each synchronised backward
+        and at each gradient under ``no_sync``, before the reducer reads it). A collective whose ``finish`` took
+        the reduced gradients out of ``.grad`` puts them back here, so the gradients accumulate as in DDP."""
         ...
 
     def follow_layout(self, assignment: Sequence[Sequence[int]]) -> None:

@@ -364,6 +364,8 @@ class Reducer:
         ):
             slot.used = True  # also during no_sync: used in any micro-batch counts (torch's local_used_map)
         if not self.expect_hooks:
+            if self.bucket_collective is not None:
+                self.bucket_collective.before_accumulate()
             self._accumulate_locally(slot)
             return
         if not self._started:
@@ -527,6 +529,8 @@ class Reducer:
     # ---- the start and the end of a reducing backward ---------------------------------------------
     def _start_backward(self) -> None:
         self._started = True
+        if self.bucket_collective is not None:
+            self.bucket_collective.before_accumulate()  # before any gradient of this backward is staged
         self.num_backwards += 1
         if self._join is not None:
             work, divide_by_initial = self._join

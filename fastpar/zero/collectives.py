@@ -71,6 +71,8 @@ class ZeroCollective:
         )
         self.gather_waiter = BucketWaiter(reducer.device, pg_timeout_seconds(self.group, reducer.device),
                                           diagnoser.diagnose)  # fmt: skip
+        self.with_grad: set[int] = set()  # slot indices some rank used since zero_grad: they have a gradient
+        self.holding = False  # the shards hold reduced gradients that .grad would hold in DDP (until zero_grad)
         self._poster = PostingThread() if reducer.device.type == "cpu" else None
         if self._poster is not None:
             weakref.finalize(self, self._poster.close)  # the thread ends with the model
@@ -97,18 +99,54 @@ class ZeroCollective:
     @torch.no_grad()
     def finish(self, bucket, result, globally_unused) -> None:
         """The reduced shard becomes the gradient of this rank's shard parameter; the parameters' ``.grad``
-        are cleared (the full reduced gradient exists only as shards). A parameter no rank used contributed
-        zeros: its shard gradient is zero (as in DeepSpeed's ZeRO and FSDP), not skipped."""
+        are cleared (the full reduced gradient exists only as shards). A parameter no rank used keeps the
+        gradient it had (none, or what earlier backwards left: torch leaves its ``.grad`` alone)."""
         zb = self.sharded[bucket.index]
         comm = bucket.comm_flat
         if self.exchange == "p2p":
             self._sum_received(zb, comm)
         if comm is not bucket.grad_flat:  # reduced in bf16/fp16: widen into the fp32 gradient shard, exactly
             zb.grad_shard.copy_(zb.region(comm, self.rank))
+        for slot in bucket.slots:
+            if slot.index not in globally_unused:
+                self.with_grad.add(slot.index)
+            elif slot.saved is not None:  # its earlier gradient, saved by the reducer before staging
+                a, b = max(slot.offset, zb.start), min(slot.offset + slot.numel, zb.end)
+                if a < b:
+                    bucket.grad_flat.narrow(0, a, b - a).copy_(slot.saved.narrow(0, a - slot.offset, b - a))
         zb.shard_param.grad = zb.grad_shard
-        zb.unused = [slot.index for slot in bucket.slots if slot.index in globally_unused]  # clipping skips them
+        zb.unused = [slot.index for slot in bucket.slots if slot.index not in self.with_grad]  # clipping skips them
         for slot in bucket.slots:
             slot.param.grad = None
+        self.holding = True
+
+    @torch.no_grad()
+    def before_accumulate(self) -> None:
+        """Another backward before ``zero_grad``: every rank's reduced shards are gathered back into the gradient
+        buckets and ``.grad`` points at them again, so this backward adds onto the reduced gradient -- as autograd
+        does onto DDP's ``.grad`` -- before its sum is scaled and reduce-scattered (torch DDP's arithmetic)."""
+        if not self.holding:
+            return
+        self.holding = False
+        self.wait_all()  # the parameters' gathers use the same tags
+        for zb in self.sharded:
+            self._gather(zb, zb.bucket.grad_flat)
+        for zb in self.sharded:
+            work, zb.gather = zb.gather, None
+            self.gather_waiter.wait(self.reducer.step, zb.index, zb.bucket.names, work)
+            for slot in zb.slots:
+                if slot.index not in self.with_grad:
+                    continue
+                grad = slot.param.grad
+                if grad is not None and grad is not slot.grad_view:  # arrived before the others: add it
+                    slot.grad_view.add_(grad)
+                slot.param.grad = slot.grad_view
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The optimizer's ``zero_grad``: the shards hold nothing to add onto; without ``.grad``, nothing was used."""
+        self.holding = False
+        if set_to_none:
+            self.with_grad.clear()
 
     def follow_layout(self, assignment: Sequence[Sequence[int]]) -> None:
         reference = reference_positions(assignment, self.reducer.slots)
@@ -117,7 +155,10 @@ class ZeroCollective:
 
     # ---- after the step: the updated shards to every rank --------------------------------------
     def start_gather(self, zb: ShardedBucket) -> None:
-        flat = zb.param_flat
+        self._gather(zb, zb.param_flat)
+
+    def _gather(self, zb: ShardedBucket, flat: torch.Tensor) -> None:
+        """Every rank's shard of ``flat`` (one of the bucket's flat buffers) to every rank, as ``zb.gather``."""
         if self.exchange == "collective":
             zb.gather = _all_gather(flat, zb.region(flat, self.rank), group=self.group, async_op=True)
             return

@@ -146,6 +146,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._collective.zero_grad(set_to_none)
         for zb in self._sharded:
             if set_to_none:
                 zb.shard_param.grad = None

@@ -40,6 +40,9 @@ class AllReduceCollective:
     def finish(self, bucket, result, globally_unused) -> None:
         gradient_path.finish(bucket, result, globally_unused)
 
+    def before_accumulate(self) -> None:
+        pass  # finish leaves the reduced gradients in .grad: the next backward adds onto them as in DDP
+
     def follow_layout(self, assignment) -> None:
         self.layouts.append([list(b) for b in assignment])
 
