@@ -35,6 +35,7 @@ from .checks import check_elementwise, check_parameter_coverage, describe_group,
 from .clip import ShardNorms
 from .collectives import ZeroCollective
 from .hooks import ParameterGate
+from .partial_step import step_shard
 from .state import gather_full_state, shard_state
 
 __all__ = ["ShardedOptimizer"]
@@ -139,7 +140,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for zb, inner in zip(reversed(self._sharded), reversed(self._inner), strict=True):
             inner.param_groups[0].update(_hyperparameters(self.param_groups[zb.group_index]))  # LR schedules
             self._collective.wait_gather(zb)  # the last gather still reads this shard
-            inner.step()
+            step_shard(zb, inner, self._collective.with_grad, self._elementwise_keys)  # no .grad: not stepped
             self._collective.start_gather(zb)
         if not self.overlap:
             self._collective.wait_all()

@@ -31,28 +31,59 @@ def gather_full_state(
     dst: int,
 ) -> dict[int, dict[str, Any]] | None:
     """Collective: ``{parameter index: state}`` on rank ``dst`` (None on the others). ``index_of``: id of each
-    parameter -> its index in the plain optimizer's ``state_dict``; ``elementwise``: the per-element keys."""
+    parameter -> its index in the plain optimizer's ``state_dict``; ``elementwise``: the per-element keys. A
+    parameter never stepped (no gradient yet) has no entry, as in a plain optimizer."""
     rank, world_size = group.rank(), group.size()
+    keys, shared = _agree(sharded, inner, elementwise, group)
     full: dict[int, dict[str, Any]] = {}
-    for zb, optimizer in zip(sharded, inner, strict=True):
+    for zb, optimizer, bucket_keys in zip(sharded, inner, keys, strict=True):
         state = optimizer.state.get(zb.shard_param, {})
         per_param: list[dict[str, Any]] = [{} for _ in zb.slots]
-        for key, value in state.items():
-            if key in elementwise:
-                pieces = [torch.empty_like(value) for _ in range(world_size)] if rank == dst else None
-                dist.gather(value.contiguous(), pieces, group=group, group_dst=dst)
-                if rank != dst:
-                    continue
-                whole = torch.cat(pieces)
-                for entry, slot in zip(per_param, zb.slots, strict=True):
-                    entry[key] = slot.layout_view(whole).clone()
-            else:
-                for entry in per_param:
-                    entry[key] = value.clone() if torch.is_tensor(value) else value
-        if rank == dst and state:
+        for key, dtype in bucket_keys:
+            value = state.get(key)
+            if value is None:  # this rank's parameters in the bucket were never stepped
+                value = torch.zeros(zb.shard_numel, dtype=dtype, device=zb.param_flat.device)
+            pieces = [torch.empty_like(value) for _ in range(world_size)] if rank == dst else None
+            dist.gather(value.contiguous(), pieces, group=group, group_dst=dst)
+            if rank != dst:
+                continue
+            whole = torch.cat(pieces)
             for entry, slot in zip(per_param, zb.slots, strict=True):
+                entry[key] = slot.layout_view(whole).clone()
+        if rank != dst:
+            continue
+        for entry, slot in zip(per_param, zb.slots, strict=True):
+            if shared.get(slot.index) is not None:
+                entry.update({k: v.clone() if torch.is_tensor(v) else v for k, v in shared[slot.index].items()})
                 full[index_of[id(slot.param)]] = entry
     return full if rank == dst else None
+
+
+def _agree(sharded, inner, elementwise: set[str], group) -> tuple[list[list[tuple[str, torch.dtype]]], dict]:
+    """Every rank: the elementwise state keys of each bucket (any rank's), and each parameter's shared state
+    (``step``; None: never stepped), from the ranks whose shards hold it -- parameters of one bucket may have
+    stepped apart (partial_step.py), and one rank's shard may hold only parameters never stepped."""
+    keys: list[dict[str, torch.dtype]] = []
+    shared: dict[int, dict | None] = {}
+    for zb, optimizer in zip(sharded, inner, strict=True):
+        state = optimizer.state.get(zb.shard_param, {})
+        keys.append({k: v.dtype for k, v in state.items() if k in elementwise})
+        for slot, _, _ in zb.shard_pieces():
+            if zb.shared_by_slot is not None:
+                shared[slot.index] = zb.shared_by_slot[slot.index]
+            else:
+                shared[slot.index] = {k: v for k, v in state.items() if k not in elementwise} if state else None
+    everyone: list = [None] * group.size()
+    dist.all_gather_object(everyone, (keys, shared), group=group)
+    agreed_keys = [dict() for _ in sharded]
+    agreed_shared: dict[int, dict | None] = {}
+    for their_keys, their_shared in everyone:
+        for mine, theirs in zip(agreed_keys, their_keys, strict=True):
+            mine.update(theirs)
+        for index, value in their_shared.items():
+            if agreed_shared.get(index) is None:
+                agreed_shared[index] = value
+    return [sorted(k.items()) for k in agreed_keys], agreed_shared
 
 
 def shard_state(
