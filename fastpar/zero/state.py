@@ -40,6 +40,8 @@ def gather_full_state(
         state = optimizer.state.get(zb.shard_param, {})
         per_param: list[dict[str, Any]] = [{} for _ in zb.slots]
         for key, dtype in bucket_keys:
+            if dtype is None:  # shared: from the parameter's own entry, below
+                continue
             value = state.get(key)
             if value is None:  # this rank's parameters in the bucket were never stepped
                 value = torch.zeros(zb.shard_numel, dtype=dtype, device=zb.param_flat.device)
@@ -53,21 +55,29 @@ def gather_full_state(
         if rank != dst:
             continue
         for entry, slot in zip(per_param, zb.slots, strict=True):
-            if shared.get(slot.index) is not None:
-                entry.update({k: v.clone() if torch.is_tensor(v) else v for k, v in shared[slot.index].items()})
-                full[index_of[id(slot.param)]] = entry
+            own = shared.get(slot.index)
+            if own is None:  # never stepped: no state, as in a plain optimizer
+                continue
+            ordered = {}  # in the optimizer's own key order
+            for key, dtype in bucket_keys:
+                if dtype is not None:
+                    ordered[key] = entry[key]
+                elif key in own:
+                    ordered[key] = own[key].clone() if torch.is_tensor(own[key]) else own[key]
+            full[index_of[id(slot.param)]] = ordered
     return full if rank == dst else None
 
 
-def _agree(sharded, inner, elementwise: set[str], group) -> tuple[list[list[tuple[str, torch.dtype]]], dict]:
-    """Every rank: the elementwise state keys of each bucket (any rank's), and each parameter's shared state
+def _agree(sharded, inner, elementwise: set[str], group) -> tuple[list[list[tuple[str, torch.dtype | None]]], dict]:
+    """Every rank: the state keys of each bucket in the optimizer's order, with the dtype of the elementwise ones
+    (None: shared), from any rank that has state; and each parameter's shared state
     (``step``; None: never stepped), from the ranks whose shards hold it -- parameters of one bucket may have
     stepped apart (partial_step.py), and one rank's shard may hold only parameters never stepped."""
-    keys: list[dict[str, torch.dtype]] = []
+    keys: list[dict[str, torch.dtype | None]] = []
     shared: dict[int, dict | None] = {}
     for zb, optimizer in zip(sharded, inner, strict=True):
         state = optimizer.state.get(zb.shard_param, {})
-        keys.append({k: v.dtype for k, v in state.items() if k in elementwise})
+        keys.append({k: v.dtype if k in elementwise else None for k, v in state.items()})
         for slot, _, _ in zb.shard_pieces():
             if zb.shared_by_slot is not None:
                 shared[slot.index] = zb.shared_by_slot[slot.index]
@@ -79,11 +89,12 @@ def _agree(sharded, inner, elementwise: set[str], group) -> tuple[list[list[tupl
     agreed_shared: dict[int, dict | None] = {}
     for their_keys, their_shared in everyone:
         for mine, theirs in zip(agreed_keys, their_keys, strict=True):
-            mine.update(theirs)
+            if not mine:
+                mine.update(theirs)
         for index, value in their_shared.items():
             if agreed_shared.get(index) is None:
                 agreed_shared[index] = value
-    return [sorted(k.items()) for k in agreed_keys], agreed_shared
+    return [list(k.items()) for k in agreed_keys], agreed_shared
 
 
 def shard_state(
