@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DDP",
     "DistributedDataParallel",
+    "ShardedGradScaler",
     "ShardedOptimizer",
     "Trainer",
     "TrainingOptions",
@@ -30,6 +31,7 @@ _LAZY = {
     "DistributedDataParallel": ("fastpar.ddp", "DistributedDataParallel"),
     "DDP": ("fastpar.ddp", "DistributedDataParallel"),
     "ShardedOptimizer": ("fastpar.zero", "ShardedOptimizer"),
+    "ShardedGradScaler": ("fastpar.zero", "ShardedGradScaler"),
     "ext_status": ("fastpar.ops.loader", "ext_status"),
     "Trainer": ("fastpar.train", "Trainer"),
     "TrainingOptions": ("fastpar.train", "TrainingOptions"),

@@ -161,6 +161,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.detach_().zero_()
 
+    @property
+    def process_group(self):
+        """The model's process group: every rank of it holds one shard of each bucket."""
+        return self._group
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.reducer.device
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        """This rank's gradient shards (what the next ``step()`` uses), one flat tensor per bucket that has one.
+        Scale them in place to change the gradients (e.g. loss-scale unscaling: :class:`ShardedGradScaler`)."""
+        return [zb.shard_param.grad for zb in self._sharded if zb.shard_param.grad is not None]
+
     def wait_for_params(self) -> None:
         """Wait until every updated parameter has arrived. Forward, ``state_dict()`` and ``load_state_dict()``
         do it themselves; call it before reading parameters anywhere else between ``step()`` and forward."""
