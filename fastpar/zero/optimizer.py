@@ -20,7 +20,10 @@ The arithmetic is the per-parameter optimizer's, elementwise: parameters after a
 bit-identical to torch's DDP with the unsharded optimizer (on gloo the reduce-scatter adds in the
 all-reduce's order, gloo_order.py), except where noted in the README (clipping's norm, fused kernels).
 After a synchronised backward the parameters' ``.grad`` are None: the reduced gradient exists only as
-shards (use :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``).
+shards (use :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``; for loss scaling
+:class:`~fastpar.zero.grad_scaler.ShardedGradScaler`). torch's gradient semantics hold nonetheless: another
+backward before ``zero_grad`` adds onto the reduced gradient (collectives.py), and a parameter no rank used
+since ``zero_grad`` has no gradient and is not stepped (partial_step.py).
 """
 
 from __future__ import annotations
