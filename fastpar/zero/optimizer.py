@@ -262,7 +262,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if saved_index in state_dict["state"]:
                     by_position[self._index_of[id(p)]] = state_dict["state"][saved_index]
         for zb, inner in zip(self._sharded, self._inner, strict=True):
-            shard = shard_state(zb, by_position, self._elementwise_keys, self._index_of)
+            shard, zb.shared_by_slot = shard_state(zb, by_position, self._elementwise_keys, self._index_of)
             inner_group = {**_hyperparameters(self.param_groups[zb.group_index]), "params": [0]}
             inner.load_state_dict({"state": {0: shard} if shard else {}, "param_groups": [inner_group]})
 

@@ -4,9 +4,10 @@ loaded back into shards -- for any world size, since a full state knows nothing 
 A shard's state holds *elementwise* entries (one value per element: ``exp_avg``, ``momentum_buffer``,
 the same shape as the shard) and *shared* ones (``step``: one value for the whole shard). Gathering
 concatenates each elementwise entry's shards and cuts out every parameter (in its own strides, as a
-plain optimizer keeps it); a shared entry is given to each parameter of the bucket. Loading does the
-reverse; parameters of one bucket must then agree on their shared entries (a plain optimizer that
-skipped some parameters in some steps has different ``step`` counts, which one shard cannot hold).
+plain optimizer keeps it); a shared entry is given to each parameter of the bucket, or, where the
+parameters of a shard stepped apart (some had no gradient in some steps: partial_step.py), each its own,
+and a parameter never stepped gets no entry. Loading does the reverse, and keeps per-parameter shared
+entries where the parameters of a shard differ in them.
 """
 
 from __future__ import annotations
@@ -99,54 +100,58 @@ def _agree(sharded, inner, elementwise: set[str], group) -> tuple[list[list[tupl
 
 def shard_state(
     zb: ShardedBucket, full: dict[int, dict[str, Any]], elementwise: set[str], index_of: dict[int, int]
-) -> dict[str, Any] | None:
-    """This rank's shard of the bucket's state from a full per-parameter ``full`` state; None: no state."""
-    entries = [full.get(index_of[id(slot.param)]) for slot in zb.slots]
-    have = [slot.name for slot, entry in zip(zb.slots, entries, strict=True) if entry]
+) -> tuple[dict[str, Any] | None, dict[int, dict | None] | None]:
+    """This rank's shard of the bucket's state from a full per-parameter ``full`` state: (the shard's state or
+    None, the per-parameter shared state or None). The second is given when the parameters in this shard
+    differ in their shared entries (``step``) or some have no state -- a plain optimizer that skipped them in
+    some steps -- and is what partial_step.py steps them with (``ShardedBucket.shared_by_slot``)."""
+    entries = {slot.index: full.get(index_of[id(slot.param)]) for slot in zb.slots}
+    have = [slot for slot in zb.slots if entries[slot.index]]
     if not have:
-        return None
-    if len(have) != len(zb.slots):
-        lacking = [slot.name for slot, entry in zip(zb.slots, entries, strict=True) if not entry]
-        raise ValueError(
-            f"fastpar ZeRO: the optimizer state has entries for {have[0]} but none for {lacking[0]}, which "
-            f"share a shard (bucket {zb.index}); a shard is stepped as one, so its parameters need state alike. "
-            "Was the state saved by an optimizer that skipped some parameters (no gradient) in some steps?"
-        )
-    keys = list(entries[0])
+        return None, None
+    keys = list(entries[have[0].index])
+    for slot in have:
+        missing = [k for k in keys if k not in entries[slot.index]] + [k for k in entries[slot.index] if k not in keys]
+        if missing:
+            raise ValueError(
+                f"fastpar ZeRO: the optimizer state of {slot.name} and of {have[0].name} differ in {missing[0]!r} "
+                "(one has it, the other not); load the state of this model's optimizer"
+            )
     shard: dict[str, Any] = {}
     for key in keys:
-        values = [entry.get(key) for entry in entries]
-        missing = [slot.name for slot, v in zip(zb.slots, values, strict=True) if v is None]
-        if missing:
-            raise ValueError(f"fastpar ZeRO: the optimizer state of {missing[0]} has no {key!r}, but {have[0]}'s has")
-        if key in elementwise:
-            whole = torch.zeros(zb.bucket.numel, dtype=values[0].dtype, device=zb.param_flat.device)
-            for slot, value in zip(zb.slots, values, strict=True):
-                if value.shape != slot.param.shape:
-                    raise ValueError(
-                        f"fastpar ZeRO: the optimizer state {key!r} of {slot.name} has shape {list(value.shape)}, "
-                        f"the parameter {list(slot.param.shape)}; load the state of this model's optimizer"
-                    )
-                slot.layout_view(whole).copy_(value)
-            shard[key] = zb.region(whole, zb.rank).clone()
+        if key not in elementwise:
             continue
-        first = values[0]
-        for slot, value in zip(zb.slots, values, strict=True):
-            if not _same(first, value):
+        first = entries[have[0].index][key]
+        whole = torch.zeros(zb.bucket.numel, dtype=first.dtype, device=zb.param_flat.device)
+        for slot in have:
+            value = entries[slot.index][key]
+            if value.shape != slot.param.shape:
                 raise ValueError(
-                    f"fastpar ZeRO: the optimizer state {key!r} is {_show(first)} for {zb.slots[0].name} but "
-                    f"{_show(value)} for {slot.name}; they share a shard (bucket {zb.index}), which holds one "
-                    f"{key!r}. Was the state saved by an optimizer that skipped some parameters in some steps?"
+                    f"fastpar ZeRO: the optimizer state {key!r} of {slot.name} has shape {list(value.shape)}, "
+                    f"the parameter {list(slot.param.shape)}; load the state of this model's optimizer"
                 )
-        shard[key] = first.clone() if torch.is_tensor(first) else first
-    return shard
+            slot.layout_view(whole).copy_(value)
+        shard[key] = zb.region(whole, zb.rank).clone()
+    shared_by_slot: dict[int, dict | None] = {}
+    for slot, _, _ in zb.shard_pieces():
+        entry = entries[slot.index]
+        shared_by_slot[slot.index] = {k: _clone(v) for k, v in entry.items() if k not in elementwise} if entry else None
+    values = list(shared_by_slot.values())
+    uniform = values and all(v is not None for v in values) and all(_same_shared(values[0], v) for v in values)
+    source = values[0] if uniform else entries[have[0].index]  # stepping apart, the shard's own is not used
+    state = {k: shard[k] if k in elementwise else _clone(source[k]) for k in keys}  # in the optimizer's key order
+    return state, None if uniform else shared_by_slot
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def _same_shared(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
 
 
 def _same(a: Any, b: Any) -> bool:
     if torch.is_tensor(a) and torch.is_tensor(b):
         return a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
     return a == b
-
-
-def _show(value: Any) -> str:
-    return str(value.item()) if torch.is_tensor(value) and value.numel() == 1 else repr(value)
