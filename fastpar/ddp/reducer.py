@@ -196,7 +196,7 @@ class Reducer:
         if not isinstance(collective, BucketCollective):
             raise TypeError(
                 f"fastpar DDP: install_bucket_collective needs a fastpar.ddp.bucket_collective.BucketCollective "
-                f"(description, operation, diagnosis_key, build_buckets, start, finish, follow_layout); got "
+                f"(description, operation, diagnosis_key, build_buckets, start, finish, before_accumulate, follow_layout); got "
                 f"{type(collective).__name__}"
             )
         self._refuse_second_replacement(f"install {collective.description}")
