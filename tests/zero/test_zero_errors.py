@@ -162,6 +162,7 @@ def _stuck_rank(rank: int, world_size: int, where: str) -> str:
     opt = fastpar.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
     model(torch.ones(2, 4)).sum().backward()  # one whole step first: DDP's bucket rebuild is behind us
     opt.step()
+    opt.zero_grad()  # else the next backward first gathers the reduced gradients back, to add onto them
     loss = model(torch.ones(2, 4)).sum()
     if rank == 1 and where == "backward":
         time.sleep(30)  # never reaches the reduce-scatter; the parent ends this rank
