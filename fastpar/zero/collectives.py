@@ -89,6 +89,8 @@ class ZeroCollective:
         """Reduce-scatter one bucket's ``comm_flat`` (staged and scaled by the reducer, as for DDP)."""
         zb = self.sharded[bucket.index]
         comm = bucket.comm_flat
+        if zb.padding:  # zeros, also after a step scaled the shard by a non-finite factor (clipping an overflow)
+            comm.narrow(0, bucket.numel - zb.padding, zb.padding).zero_()
         if self.exchange == "collective":
             return _reduce_scatter(zb.region(comm, self.rank), comm, group=self.group, async_op=True)
         if zb.scratch is None:

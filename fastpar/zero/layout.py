@@ -31,6 +31,8 @@ class ShardedBucket:
         self.group_index = group_index  # the optimizer's param group every parameter here belongs to
         self.rank, self.world_size = rank, world_size
         self.shard_numel = bucket.numel // world_size
+        last = bucket.slots[-1]
+        self.padding = bucket.numel - (last.offset + last.numel)  # elements after the last parameter
         self.start = rank * self.shard_numel
         self.end = self.start + self.shard_numel
         self.param_flat = _relocate_parameters(bucket)

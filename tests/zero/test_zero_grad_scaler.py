@@ -27,7 +27,7 @@ def _rank(rank: int, world_size: int, clip: bool) -> dict:
         module = MLP()
         scaler_args = {"init_scale": 2.0**10, "growth_interval": 2}
         if impl == "torch":
-            model = torch.nn.parallel.DistributedDataParallel(module)
+            model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=0.002)  # the same buckets
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
             scaler = torch.amp.GradScaler("cpu", **scaler_args)
         else:
