@@ -66,11 +66,13 @@ class ZeroCollective:
         self.peers = [q for q in range(self.world_size) if q != self.rank]
         self.tag_base = tag_base
         self.diagnosis_key = f"zero{instance}/rs"
-        diagnoser = StuckBucketDiagnoser(
+        timeout = pg_timeout_seconds(self.group, reducer.device)
+        params = StuckBucketDiagnoser(
             self.group, f"zero{instance}/ag", "all-gather of the updated parameters of bucket"
         )
-        self.gather_waiter = BucketWaiter(reducer.device, pg_timeout_seconds(self.group, reducer.device),
-                                          diagnoser.diagnose)  # fmt: skip
+        grads = StuckBucketDiagnoser(self.group, f"zero{instance}/gg", "all-gather of the reduced gradients of bucket")
+        self.gather_waiter = BucketWaiter(reducer.device, timeout, params.diagnose)
+        self._grad_gather_waiter = BucketWaiter(reducer.device, timeout, grads.diagnose)
         self.with_grad: set[int] = set()  # slot indices some rank used since zero_grad: they have a gradient
         self.holding = False  # the shards hold reduced gradients that .grad would hold in DDP (until zero_grad)
         self._poster = PostingThread() if reducer.device.type == "cpu" else None
@@ -135,7 +137,7 @@ class ZeroCollective:
             self._gather(zb, zb.bucket.grad_flat)
         for zb in self.sharded:
             work, zb.gather = zb.gather, None
-            self.gather_waiter.wait(self.reducer.step, zb.index, zb.bucket.names, work)
+            self._grad_gather_waiter.wait(self.reducer.step, zb.index, zb.bucket.names, work)
             for slot in zb.slots:
                 if slot.index not in self.with_grad:
                     continue
