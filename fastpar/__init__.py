@@ -14,6 +14,7 @@ from ._version import __version__
 __all__ = [
     "DDP",
     "DistributedDataParallel",
+    "ShardedGradScaler",
     "ShardedOptimizer",
     "Trainer",
     "TrainingOptions",
@@ -31,6 +32,7 @@ _LAZY = {
     "DistributedDataParallel": ("fastpar.ddp", "DistributedDataParallel"),
     "DDP": ("fastpar.ddp", "DistributedDataParallel"),
     "ShardedOptimizer": ("fastpar.zero", "ShardedOptimizer"),
+    "ShardedGradScaler": ("fastpar.zero", "ShardedGradScaler"),
     "ext_status": ("fastpar.ops.loader", "ext_status"),
     "Trainer": ("fastpar.train", "Trainer"),
     "TrainingOptions": ("fastpar.train", "TrainingOptions"),

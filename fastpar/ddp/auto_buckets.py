@@ -36,8 +36,9 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,7 @@ from ..costmodel.perf_profile import CollectiveTable
 from ..costmodel.step_simulator import GradArrival, StepTimeline, SyncCosts, simulate_step
 from .step_recorder import StepRecorder
 
-__all__ = ["AutoBuckets", "fit_wire", "measure_allreduce", "shortlist", "sweep_sizes"]
+__all__ = ["AutoBuckets", "AutoBucketsHost", "fit_wire", "measure_allreduce", "shortlist", "sweep_sizes"]
 
 WARMUP_STEPS = 2
 MEASURE_STEPS = 5
@@ -138,8 +139,35 @@ def fit_wire(
     return fitted, replace(costs, wire_slowdown=slowdown), {"comm_scale": scale, "wire_slowdown": slowdown}
 
 
+class AutoBucketsHost(Protocol):
+    """What ``bucket_cap_mb="auto"`` needs of the reducer it tunes (:class:`fastpar.ddp.reducer.Reducer`)."""
+
+    group: dist.ProcessGroup
+    device: torch.device
+    slots: Sequence  # ParamSlot per parameter: index, numel, param
+    buckets: Sequence  # Bucket per launch: nbytes
+
+    @property
+    def rebuild_pending(self) -> bool:
+        """torch's one rebuild (buckets in gradient arrival order) is still to come."""
+        ...
+
+    def layout(self) -> list[list[int]]:
+        """The buckets as lists of parameter indices, in launch order."""
+        ...
+
+    def apply_layout(self, assignment: list[list[int]]) -> None:
+        """Re-bucket between steps (the same ``assignment`` on every rank)."""
+        ...
+
+    def stop_recording(self) -> None:
+        """Measure no more steps (the recorder handed out by :meth:`AutoBuckets.forward_started` is dropped)."""
+        ...
+
+
 class AutoBuckets:
-    """The phases of ``bucket_cap_mb="auto"`` for one reducer (which calls the hooks marked below)."""
+    """The phases of ``bucket_cap_mb="auto"`` for one reducer (which calls the hooks marked below), driven
+    through the :class:`AutoBucketsHost` interface only."""
 
     def __init__(self, device: torch.device) -> None:
         self.phase = "settle"  # settle -> measure -> decide -> verify -> judge -> done (or off)
@@ -166,10 +194,10 @@ class AutoBuckets:
             return self.recorder
         return None
 
-    def step_done(self, reducer) -> None:
+    def step_done(self, reducer: AutoBucketsHost) -> None:
         """A synchronised backward finished."""
         if self.phase == "settle":
-            self._warm = 0 if reducer._should_rebuild() else self._warm + 1  # torch's rebuild comes first
+            self._warm = 0 if reducer.rebuild_pending else self._warm + 1  # torch's rebuild comes first
             if self._warm >= WARMUP_STEPS:
                 self.phase = "measure"
             return
@@ -180,15 +208,15 @@ class AutoBuckets:
             self.recorder.end()
             if len(self.recorder.steps) >= MEASURE_STEPS:
                 self.phase = "decide" if self.phase == "measure" else "judge"
-                reducer._recorder = None
+                reducer.stop_recording()
 
-    def freeze(self, reducer, reason: str) -> None:
+    def freeze(self, reducer: AutoBucketsHost, reason: str) -> None:
         if self.phase not in ("done", "off"):
             self.phase, self.report["stopped"] = "off", reason
-            reducer._recorder = None
+            reducer.stop_recording()
             self.recorder.reset()
 
-    def decide(self, reducer) -> None:
+    def decide(self, reducer: AutoBucketsHost) -> None:
         """Every rank, at the same forward: the decision (rank 0's, broadcast) or the verification."""
         if self.phase == "judge":
             self._judge(reducer)
@@ -196,7 +224,7 @@ class AutoBuckets:
             self._decide(reducer)
 
     # ---- the decision ---------------------------------------------------------------------------
-    def _decide(self, reducer) -> None:
+    def _decide(self, reducer: AutoBucketsHost) -> None:
         group, device = reducer.group, reducer.device
         slots = reducer.slots
         local = self.recorder.summary(len(slots))
@@ -219,21 +247,21 @@ class AutoBuckets:
         self.report.update(decision, measured_step_ms={"current layout": step_s * 1e3})
         self._next_trial(reducer)
 
-    def _next_trial(self, reducer) -> None:
+    def _next_trial(self, reducer: AutoBucketsHost) -> None:
         """Build the next layout to measure, or, when all are measured, the fastest one measured."""
         self.recorder.reset()
         if self._trials:
             self._trying = self._trials.pop(0)
-            reducer._apply_layout(self._trying[1])
+            reducer.apply_layout(self._trying[1])
             self.phase, self._warm = "verify", 0
             return
         kept = min(self._measured, key=lambda name: self._measured[name][0])
-        reducer._apply_layout(self._measured[kept][1])
+        reducer.apply_layout(self._measured[kept][1])
         self.phase = "done"
         self.report.update(kept=kept, buckets=len(reducer.buckets))
         _log.info("fastpar DDP bucket_cap_mb='auto': %s", self.report)
 
-    def _judge(self, reducer) -> None:
+    def _judge(self, reducer: AutoBucketsHost) -> None:
         median = torch.tensor([self.recorder.median_step_s()], dtype=torch.float64, device=reducer.device)
         dist.all_reduce(median, op=dist.ReduceOp.MAX, group=reducer.group)  # every rank decides alike
         name, buckets = self._trying

@@ -13,11 +13,13 @@ while later ones are still on the wire (``pipeline.FinishQueue``; only once noth
 gradients). After the last launch the end of backward is queued; it runs named steps: wait for each
 remaining bucket (a deadline that names missing ranks), finish it into ``.grad``, record statistics, learn.
 
-``bucket_collective`` (None for DDP) replaces each bucket's all-reduce: ZeRO's reduce-scatter
-(:mod:`fastpar.zero.collectives`). It offers ``start(bucket) -> work``, ``finish(bucket, result,
-globally_unused)`` (``gradient_path.finish``'s signature) and ``follow_layout(assignment)``: at the rebuild
-it keeps its own buckets and learns the layout torch's DDP would now use. Its buckets are finished at the
-end of backward, not early.
+What replaces each bucket's all-reduce -- a comm hook (torch's ``register_comm_hook``) or a
+:class:`~fastpar.ddp.bucket_collective.BucketCollective` (ZeRO's reduce-scatter) -- is installed here, by
+:meth:`Reducer.register_comm_hook` or :meth:`Reducer.install_bucket_collective`; the two exclude each other
+and that rule lives in :meth:`Reducer._refuse_second_replacement`. A collective brings its own buckets and
+keeps them (at the rebuild it learns torch's layout instead); its buckets are finished at the end of
+backward, not early. ``bucket_cap_mb="auto"`` drives the reducer through :class:`~fastpar.ddp.auto_buckets.
+AutoBucketsHost` (``layout``, ``apply_layout``, ``rebuild_pending``, ``stop_recording``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from . import gradient_path
 from .auto_buckets import AutoBuckets
+from .bucket_collective import BucketCollective
 from .buckets import ParamSlot, assign_buckets, build_buckets, initial_layout
 from .comm_hooks import GradBucket, keeps_no_bucket_state
 from .errors import StuckBucketDiagnoser, UnusedParametersError, pg_timeout_seconds
@@ -71,7 +74,7 @@ class Reducer:
         self.alias_divides = alias_divides  # torch's arithmetic for gradient_as_bucket_view=True: div_ in place
         self.static_graph = False
         self.comm_hook: tuple | None = None  # (hook, state)
-        self.bucket_collective = None  # ZeRO's reduce-scatter instead of the all-reduce (see the module docstring)
+        self.bucket_collective: BucketCollective | None = None  # set only by install_bucket_collective
         self.buckets = build_buckets(self.slots, initial_layout(params, initial_caps), grad_views, grad_dtype)
         diagnoser = StuckBucketDiagnoser(group, instance_id)
         self.waiter = BucketWaiter(self.device, pg_timeout_seconds(group, self.device), diagnoser.diagnose)
@@ -176,20 +179,89 @@ class Reducer:
         order_t = torch.tensor(order, dtype=torch.int64, device=self.device)
         dist.broadcast(order_t, group=self.group, group_src=0)
         self.rebuild_order, self.has_rebuilt = [], True
-        self._apply_layout(assign_buckets([s.param for s in self.slots], order_t.tolist(), self.caps))
+        self.apply_layout(assign_buckets([s.param for s in self.slots], order_t.tolist(), self.caps))
         return True
 
     def layout(self) -> list[list[int]]:
         """The buckets as lists of parameter indices, in launch order."""
         return [[s.index for s in b.slots] for b in self.buckets]
 
-    def _apply_layout(self, assignment: list[list[int]]) -> None:
+    def apply_layout(self, assignment: list[list[int]]) -> None:
         """Re-bucket (between steps; the same ``assignment`` on every rank). Gradients move into the new views.
-        ZeRO keeps its sharded buckets and only learns the layout (see the module docstring)."""
+        An installed bucket collective keeps its buckets and only learns the layout (see the module docstring)."""
         if self.bucket_collective is not None:
             self.bucket_collective.follow_layout(assignment)
         elif assignment != self.layout():
             self.buckets = build_buckets(self.slots, assignment, self.grad_views, self.grad_dtype)
+
+    @property
+    def rebuild_pending(self) -> bool:
+        """torch's one rebuild (buckets in gradient arrival order) is still to come."""
+        return self._should_rebuild()
+
+    def stop_recording(self) -> None:
+        """``bucket_cap_mb="auto"`` measures no more steps for now."""
+        self._recorder = None
+
+    def install_bucket_collective(self, collective: BucketCollective) -> None:
+        """Replace every bucket's all-reduce with ``collective`` (see :mod:`fastpar.ddp.bucket_collective`), before
+        training: its buckets (built for the layout that will stay) replace the reducer's, a timeout names its
+        operation, and ``bucket_cap_mb="auto"`` stops (the collective keeps its buckets). Refused when a comm hook
+        or another collective is installed."""
+        if not isinstance(collective, BucketCollective):
+            raise TypeError(
+                f"fastpar DDP: install_bucket_collective needs a fastpar.ddp.bucket_collective.BucketCollective "
+                f"(description, operation, diagnosis_key, build_buckets, start, finish, before_accumulate, follow_layout); got "
+                f"{type(collective).__name__}"
+            )
+        self._refuse_second_replacement(f"install {collective.description}")
+        if self._started:
+            raise RuntimeError(
+                f"fastpar DDP: cannot install {collective.description} during a backward; install it before training"
+            )
+        reference = self.layout()  # what torch's DDP reduces now
+        buckets = list(collective.build_buckets(self._steady_layout()))
+        if [b.index for b in buckets] != list(range(len(buckets))) or sorted(
+            s.index for b in buckets for s in b.slots
+        ) != list(range(len(self.slots))):
+            raise ValueError(
+                f"fastpar DDP: {collective.description} built buckets that do not hold every parameter once, "
+                "indexed 0..n-1 in launch order"
+            )
+        collective.follow_layout(reference)
+        self.buckets = buckets
+        self.waiter.close()
+        diagnoser = StuckBucketDiagnoser(self.group, collective.diagnosis_key, collective.operation)
+        self.waiter = BucketWaiter(self.device, pg_timeout_seconds(self.group, self.device), diagnoser.diagnose)
+        self.bucket_collective = collective
+        if self.auto is not None:
+            self.auto.freeze(self, f"{collective.description} keeps the buckets as they are")
+
+    def _steady_layout(self) -> list[list[int]]:
+        """The layout to keep for good: today's once torch's rebuild is done (or when none will come), else fastpar's
+        caps in registration order -- torch's first layout (one bucket per dtype until the rebuild) would serialise
+        a collective that keeps its buckets."""
+        if self.has_rebuilt or not self._should_rebuild():
+            return self.layout()
+        return initial_layout([s.param for s in self.slots], self.caps)
+
+    def _refuse_second_replacement(self, attempt: str) -> None:
+        """The one rule: a comm hook and a bucket collective both replace each bucket's all-reduce, so a model has at
+        most one of them (and one of each kind). Both orders, and a second collective, raise this error."""
+        if self.comm_hook is not None:
+            present = "a comm hook (register_comm_hook)"
+        elif self.bucket_collective is not None:
+            present = self.bucket_collective.description
+        else:
+            return
+        self._fail(
+            RuntimeError(
+                f"fastpar DDP: cannot {attempt}: this model already has {present}. A comm hook and a bucket collective "
+                "(ZeRO's sharded optimizer) each replace every bucket's all-reduce, so a model takes one of them, "
+                "once: build one ShardedOptimizer per model and no comm hook with it (for bf16 gradient sync pass "
+                "grad_dtype=torch.bfloat16 to the DDP instead of a compression hook)"
+            )
+        )
 
     def _push_all_rebuilt_params(self) -> None:
         """A joined rank: rebuild as if every parameter had arrived, in index order (torch's semantics)."""
@@ -259,13 +331,9 @@ class Reducer:
         return dist.all_reduce(bucket.buffer(), group=self.group, async_op=True).get_future()
 
     def register_comm_hook(self, state, hook) -> None:
-        if self.comm_hook is not None:
+        if self.comm_hook is not None:  # torch's own message
             raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        if self.bucket_collective is not None:
-            raise RuntimeError(
-                "fastpar DDP: a comm hook replaces the all-reduce, but this model's optimizer is sharded (ZeRO), which "
-                "reduce-scatters gradients; for bf16 gradient sync pass grad_dtype=torch.bfloat16 to the DDP instead"
-            )
+        self._refuse_second_replacement("register a comm hook")
         self.comm_hook = (hook, state)
         if self.auto is not None and not keeps_no_bucket_state(hook):
             self.auto.freeze(self, "a comm hook was registered: it may keep state per bucket index (PowerSGD)")
@@ -320,6 +388,8 @@ class Reducer:
         ):
             slot.used = True  # also during no_sync: used in any micro-batch counts (torch's local_used_map)
         if not self.expect_hooks:
+            if self.bucket_collective is not None:
+                self.bucket_collective.before_accumulate()
             self._accumulate_locally(slot)
             return
         if not self._started:
@@ -489,6 +559,8 @@ class Reducer:
     # ---- the start and the end of a reducing backward ---------------------------------------------
     def _start_backward(self) -> None:
         self._started = True
+        if self.bucket_collective is not None:
+            self.bucket_collective.before_accumulate()  # before any gradient of this backward is staged
         self.num_backwards += 1
         if self._join is not None:
             work, divide_by_initial = self._join

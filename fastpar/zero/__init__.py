@@ -1,4 +1,5 @@
-"""Sharded data parallelism on fastpar's DDP buckets: ``ShardedOptimizer`` (ZeRO-1: optimizer state / world size).
+"""Sharded data parallelism on fastpar's DDP buckets: ``ShardedOptimizer`` (ZeRO-1: optimizer state / world size)
+and ``ShardedGradScaler`` (loss scaling on its gradient shards).
 
 It plugs into the reducer through the bucket collective seam (``fastpar.ddp``): each bucket is reduce-scattered
 instead of all-reduced, each rank steps its shard, and the parameters are all-gathered back.
@@ -6,6 +7,7 @@ instead of all-reduced, each rank steps its shard, and the parameters are all-ga
 
 from __future__ import annotations
 
+from .grad_scaler import ShardedGradScaler
 from .optimizer import ShardedOptimizer
 
-__all__ = ["ShardedOptimizer"]
+__all__ = ["ShardedGradScaler", "ShardedOptimizer"]

@@ -20,12 +20,15 @@ the same model gives the same bits; its reduce-scatter sums in another order), c
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..ddp.errors import StuckBucketDiagnoser, pg_timeout_seconds
+from ..ddp.waiting import BucketWaiter
 from .gloo_order import reduce_in_ring_order
-from .layout import ShardedBucket
+from .layout import ShardedBucket, build_sharded_buckets, reference_positions
 from .p2p_posting import PostingThread, post_inline
 
 __all__ = ["EXCHANGES", "ZeroCollective", "resolve_exchange"]
@@ -44,28 +47,52 @@ def resolve_exchange(exchange: str, group: dist.ProcessGroup) -> str:
 
 
 class ZeroCollective:
-    """The reducer's ``bucket_collective`` in ZeRO mode, and the all-gather after each step."""
+    """ZeRO's :class:`~fastpar.ddp.bucket_collective.BucketCollective` (installed in the reducer by the optimizer),
+    and the all-gather after each step."""
 
-    def __init__(self, reducer, sharded: list[ShardedBucket], exchange: str, tag_base: int) -> None:
-        """``tag_base``: this optimizer's point-to-point tags are ``tag_base + 2 * bucket index (+ 1: gather)``,
-        apart from other optimizers' and user sends (tag 0)."""
+    description = "a ShardedOptimizer (its optimizer is sharded: ZeRO reduce-scatters the gradients)"
+    operation = "reduce-scatter of gradient bucket"
+
+    def __init__(self, reducer, group_of_slot: Mapping[int, int], exchange: str, tag_base: int, instance: int) -> None:
+        """``group_of_slot``: slot index -> the optimizer's param group (a bucket holds one group's parameters).
+        ``tag_base``: this optimizer's point-to-point tags are ``tag_base + 2 * bucket index (+ 1: gather)``,
+        apart from other optimizers' and user sends (tag 0). ``instance``: the same number on every rank."""
         self.reducer = reducer
         self.group = reducer.group
         self.rank, self.world_size = self.group.rank(), self.group.size()
-        self.sharded = sharded
+        self.group_of_slot = group_of_slot
+        self.sharded: list[ShardedBucket] = []  # built at installation (build_buckets)
         self.exchange = resolve_exchange(exchange, self.group)
         self.peers = [q for q in range(self.world_size) if q != self.rank]
         self.tag_base = tag_base
-        self.gather_waiter = None  # a BucketWaiter naming the all-gather; set by the optimizer
+        self.diagnosis_key = f"zero{instance}/rs"
+        timeout = pg_timeout_seconds(self.group, reducer.device)
+        params = StuckBucketDiagnoser(
+            self.group, f"zero{instance}/ag", "all-gather of the updated parameters of bucket"
+        )
+        grads = StuckBucketDiagnoser(self.group, f"zero{instance}/gg", "all-gather of the reduced gradients of bucket")
+        self.gather_waiter = BucketWaiter(reducer.device, timeout, params.diagnose)
+        self._grad_gather_waiter = BucketWaiter(reducer.device, timeout, grads.diagnose)
+        self.with_grad: set[int] = set()  # slot indices some rank used since zero_grad: they have a gradient
+        self.holding = False  # the shards hold reduced gradients that .grad would hold in DDP (until zero_grad)
         self._poster = PostingThread() if reducer.device.type == "cpu" else None
         if self._poster is not None:
             weakref.finalize(self, self._poster.close)  # the thread ends with the model
 
-    # ---- the reducer's interface ---------------------------------------------------------------
+    # ---- the reducer's interface (BucketCollective) --------------------------------------------
+    def build_buckets(self, layout: Sequence[Sequence[int]]) -> list:
+        """The padded buckets of ``layout`` split by param group, the parameters moved into their flat buffers."""
+        reducer = self.reducer
+        self.sharded = build_sharded_buckets(reducer.slots, layout, self.group_of_slot, reducer.grad_dtype,
+                                             self.rank, self.world_size)  # fmt: skip
+        return [zb.bucket for zb in self.sharded]
+
     def start(self, bucket) -> object:
         """Reduce-scatter one bucket's ``comm_flat`` (staged and scaled by the reducer, as for DDP)."""
         zb = self.sharded[bucket.index]
         comm = bucket.comm_flat
+        if zb.padding:  # zeros, also after a step scaled the shard by a non-finite factor (clipping an overflow)
+            comm.narrow(0, bucket.numel - zb.padding, zb.padding).zero_()
         if self.exchange == "collective":
             return _reduce_scatter(zb.region(comm, self.rank), comm, group=self.group, async_op=True)
         if zb.scratch is None:
@@ -76,29 +103,66 @@ class ZeroCollective:
     @torch.no_grad()
     def finish(self, bucket, result, globally_unused) -> None:
         """The reduced shard becomes the gradient of this rank's shard parameter; the parameters' ``.grad``
-        are cleared (the full reduced gradient exists only as shards). A parameter no rank used contributed
-        zeros: its shard gradient is zero (as in DeepSpeed's ZeRO and FSDP), not skipped."""
+        are cleared (the full reduced gradient exists only as shards). A parameter no rank used keeps the
+        gradient it had (none, or what earlier backwards left: torch leaves its ``.grad`` alone)."""
         zb = self.sharded[bucket.index]
         comm = bucket.comm_flat
         if self.exchange == "p2p":
             self._sum_received(zb, comm)
         if comm is not bucket.grad_flat:  # reduced in bf16/fp16: widen into the fp32 gradient shard, exactly
             zb.grad_shard.copy_(zb.region(comm, self.rank))
+        for slot in bucket.slots:
+            if slot.index not in globally_unused:
+                self.with_grad.add(slot.index)
+            elif slot.saved is not None:  # its earlier gradient, saved by the reducer before staging
+                a, b = max(slot.offset, zb.start), min(slot.offset + slot.numel, zb.end)
+                if a < b:
+                    bucket.grad_flat.narrow(0, a, b - a).copy_(slot.saved.narrow(0, a - slot.offset, b - a))
         zb.shard_param.grad = zb.grad_shard
-        zb.unused = [slot.index for slot in bucket.slots if slot.index in globally_unused]  # clipping skips them
+        zb.unused = [slot.index for slot in bucket.slots if slot.index not in self.with_grad]  # clipping skips them
         for slot in bucket.slots:
             slot.param.grad = None
+        self.holding = True
 
-    def follow_layout(self, assignment: list[list[int]]) -> None:
-        from .layout import reference_positions
+    @torch.no_grad()
+    def before_accumulate(self) -> None:
+        """Another backward before ``zero_grad``: every rank's reduced shards are gathered back into the gradient
+        buckets and ``.grad`` points at them again, so this backward adds onto the reduced gradient -- as autograd
+        does onto DDP's ``.grad`` -- before its sum is scaled and reduce-scattered (torch DDP's arithmetic)."""
+        if not self.holding:
+            return
+        self.holding = False
+        self.wait_all()  # the parameters' gathers use the same tags
+        for zb in self.sharded:
+            self._gather(zb, zb.bucket.grad_flat)
+        for zb in self.sharded:
+            work, zb.gather = zb.gather, None
+            self._grad_gather_waiter.wait(self.reducer.step, zb.index, zb.bucket.names, work)
+            for slot in zb.slots:
+                if slot.index not in self.with_grad:
+                    continue
+                grad = slot.param.grad
+                if grad is not None and grad is not slot.grad_view:  # arrived before the others: add it
+                    slot.grad_view.add_(grad)
+                slot.param.grad = slot.grad_view
 
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The optimizer's ``zero_grad``: the shards hold nothing to add onto; without ``.grad``, nothing was used."""
+        self.holding = False
+        if set_to_none:
+            self.with_grad.clear()
+
+    def follow_layout(self, assignment: Sequence[Sequence[int]]) -> None:
         reference = reference_positions(assignment, self.reducer.slots)
         for zb in self.sharded:
             zb.follow_reference(reference)
 
     # ---- after the step: the updated shards to every rank --------------------------------------
     def start_gather(self, zb: ShardedBucket) -> None:
-        flat = zb.param_flat
+        self._gather(zb, zb.param_flat)
+
+    def _gather(self, zb: ShardedBucket, flat: torch.Tensor) -> None:
+        """Every rank's shard of ``flat`` (one of the bucket's flat buffers) to every rank, as ``zb.gather``."""
         if self.exchange == "collective":
             zb.gather = _all_gather(flat, zb.region(flat, self.rank), group=self.group, async_op=True)
             return

@@ -31,6 +31,8 @@ class ShardedBucket:
         self.group_index = group_index  # the optimizer's param group every parameter here belongs to
         self.rank, self.world_size = rank, world_size
         self.shard_numel = bucket.numel // world_size
+        last = bucket.slots[-1]
+        self.padding = bucket.numel - (last.offset + last.numel)  # elements after the last parameter
         self.start = rank * self.shard_numel
         self.end = self.start + self.shard_numel
         self.param_flat = _relocate_parameters(bucket)
@@ -40,7 +42,9 @@ class ShardedBucket:
         self.sum_ranges: list[SumRange] = []
         self.scratch: torch.Tensor | None = None  # the peers' contributions (point-to-point exchange)
         self.gather = None  # the in-flight all-gather of updated shards
-        self.unused: list[int] = []  # slot indices no rank used in the last reduced backward (no gradient)
+        self.unused: list[int] = []  # slot indices without a gradient since zero_grad (clipping skips them)
+        # per slot index, the shared optimizer state (``step``) once its parameters' histories differ (partial_step.py)
+        self.shared_by_slot: dict[int, dict | None] | None = None
 
     @property
     def index(self) -> int:
@@ -53,6 +57,15 @@ class ShardedBucket:
     def region(self, flat: torch.Tensor, rank: int) -> torch.Tensor:
         """Rank ``rank``'s shard of one of this bucket's flat buffers."""
         return flat.narrow(0, rank * self.shard_numel, self.shard_numel)
+
+    def shard_pieces(self) -> list[tuple[ParamSlot, int, int]]:
+        """``(slot, start, end)`` for each parameter with elements in this rank's shard, in shard coordinates."""
+        pieces = []
+        for slot in self.slots:
+            a, b = max(slot.offset, self.start), min(slot.offset + slot.numel, self.end)
+            if a < b:
+                pieces.append((slot, a - self.start, b - self.start))
+        return pieces
 
     def follow_reference(self, reference: Mapping[int, tuple[int, int]]) -> None:
         """Learn where each element sits in torch's layout: ``reference[slot index] = (offset, bucket numel)``."""

@@ -20,7 +20,10 @@ The arithmetic is the per-parameter optimizer's, elementwise: parameters after a
 bit-identical to torch's DDP with the unsharded optimizer (on gloo the reduce-scatter adds in the
 all-reduce's order, gloo_order.py), except where noted in the README (clipping's norm, fused kernels).
 After a synchronised backward the parameters' ``.grad`` are None: the reduced gradient exists only as
-shards (use :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``).
+shards (use :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``; for loss scaling
+:class:`~fastpar.zero.grad_scaler.ShardedGradScaler`). torch's gradient semantics hold nonetheless: another
+backward before ``zero_grad`` adds onto the reduced gradient (collectives.py), and a parameter no rank used
+since ``zero_grad`` has no gradient and is not stepped (partial_step.py).
 """
 
 from __future__ import annotations
@@ -31,14 +34,11 @@ from typing import Any
 
 import torch
 
-from ..ddp.buckets import initial_layout
-from ..ddp.errors import StuckBucketDiagnoser, pg_timeout_seconds
-from ..ddp.waiting import BucketWaiter
 from .checks import check_elementwise, check_parameter_coverage, describe_group, refuse_closure_optimizer
 from .clip import ShardNorms
 from .collectives import ZeroCollective
 from .hooks import ParameterGate
-from .layout import build_sharded_buckets, reference_positions
+from .partial_step import step_shard
 from .state import gather_full_state, shard_state
 
 __all__ = ["ShardedOptimizer"]
@@ -81,13 +81,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         refuse_closure_optimizer(optimizer_class)
         reducer = model.reducer
-        if reducer.bucket_collective is not None:
-            raise RuntimeError("this model already has a ShardedOptimizer; build one per model")
-        if reducer.comm_hook is not None:
-            raise RuntimeError(
-                "this model has a comm hook, which replaces the all-reduce; ZeRO reduce-scatters instead. Build the "
-                "model without register_comm_hook (for bf16 gradients pass grad_dtype=torch.bfloat16)"
-            )
         template = optimizer_class(model.parameters() if params is None else params, **defaults)
         super().__init__(template.param_groups, template.defaults)
         del template
@@ -120,20 +113,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             sharded.load_state_dict(optimizer.state_dict())
         return sharded
 
-    # ---- building the layout ----------------------------------------------------------------------
+    # ---- plugging into the reducer -----------------------------------------------------------------
     def _install(self, reducer, group_of_slot: dict[int, int], exchange: str) -> None:
-        current = [[s.index for s in b.slots] for b in reducer.buckets]
-        if reducer.has_rebuilt or not reducer._should_rebuild():
-            layout = current
-        else:  # torch will rebuild in gradient order; until then its one bucket per dtype would serialise everything
-            layout = initial_layout([s.param for s in reducer.slots], reducer.caps)
-        world_size = self._group.size()
-        self._sharded = build_sharded_buckets(reducer.slots, layout, group_of_slot, reducer.grad_dtype, self._rank,
-                                              world_size)  # fmt: skip
-        reference = reference_positions(current, reducer.slots)  # the layout torch's DDP reduces, for the order
-        for zb in self._sharded:
-            zb.follow_reference(reference)
-        reducer.buckets = [zb.bucket for zb in self._sharded]
+        instance = next(_instances)
+        tags = (1 << 30) + (instance % 1000) * _TAGS_PER_INSTANCE
+        collective = ZeroCollective(reducer, group_of_slot, exchange, tags, instance)
+        reducer.install_bucket_collective(collective)  # refuses a comm hook or a second optimizer; builds the buckets
+        self._collective, self._sharded = collective, collective.sharded
         self._inner = [
             self.optimizer_class(
                 [{**_hyperparameters(self.param_groups[zb.group_index]), "params": [zb.shard_param]}],
@@ -141,18 +127,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
             for zb in self._sharded
         ]
-        instance = next(_instances)
-        timeout = pg_timeout_seconds(self._group, reducer.device)
-        reducer.waiter.close()
-        reducer.waiter = BucketWaiter(reducer.device, timeout, StuckBucketDiagnoser(
-            self._group, f"zero{instance}/rs", "reduce-scatter of gradient bucket").diagnose)  # fmt: skip
-        tags = (1 << 30) + (instance % 1000) * _TAGS_PER_INSTANCE
-        self._collective = ZeroCollective(reducer, self._sharded, exchange, tags)
-        self._collective.gather_waiter = BucketWaiter(reducer.device, timeout, StuckBucketDiagnoser(
-            self._group, f"zero{instance}/ag", "all-gather of the updated parameters of bucket").diagnose)  # fmt: skip
-        reducer.bucket_collective = self._collective
-        if reducer.auto is not None:  # the shards follow today's buckets: bucket_cap_mb="auto" may not move them
-            reducer.auto.freeze(reducer, "ShardedOptimizer: ZeRO shards the buckets as they are")
         bucket_of = {id(slot.param): zb.index for zb in self._sharded for slot in zb.slots}
         self._gate = ParameterGate(self.model.module, bucket_of, self._wait_buckets)
         self._norms = ShardNorms(self._sharded, self._group, len(reducer.slots), tags + _TAGS_PER_INSTANCE // 2)
@@ -169,13 +143,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for zb, inner in zip(reversed(self._sharded), reversed(self._inner), strict=True):
             inner.param_groups[0].update(_hyperparameters(self.param_groups[zb.group_index]))  # LR schedules
             self._collective.wait_gather(zb)  # the last gather still reads this shard
-            inner.step()
+            step_shard(zb, inner, self._collective.with_grad, self._elementwise_keys)  # no .grad: not stepped
             self._collective.start_gather(zb)
         if not self.overlap:
             self._collective.wait_all()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._collective.zero_grad(set_to_none)
         for zb in self._sharded:
             if set_to_none:
                 zb.shard_param.grad = None
@@ -188,6 +163,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.detach_().zero_()
+
+    @property
+    def process_group(self):
+        """The model's process group: every rank of it holds one shard of each bucket."""
+        return self._group
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.reducer.device
+
+    def shard_grads(self) -> list[torch.Tensor]:
+        """This rank's gradient shards (what the next ``step()`` uses), one flat tensor per bucket that has one.
+        Scale them in place to change the gradients (e.g. loss-scale unscaling: :class:`ShardedGradScaler`)."""
+        return [zb.shard_param.grad for zb in self._sharded if zb.shard_param.grad is not None]
 
     def wait_for_params(self) -> None:
         """Wait until every updated parameter has arrived. Forward, ``state_dict()`` and ``load_state_dict()``
@@ -273,7 +262,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if saved_index in state_dict["state"]:
                     by_position[self._index_of[id(p)]] = state_dict["state"][saved_index]
         for zb, inner in zip(self._sharded, self._inner, strict=True):
-            shard = shard_state(zb, by_position, self._elementwise_keys, self._index_of)
+            shard, zb.shared_by_slot = shard_state(zb, by_position, self._elementwise_keys, self._index_of)
             inner_group = {**_hyperparameters(self.param_groups[zb.group_index]), "params": [0]}
             inner.load_state_dict({"state": {0: shard} if shard else {}, "param_groups": [inner_group]})
 

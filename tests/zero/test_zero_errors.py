@@ -3,6 +3,8 @@ non-finite gradient report. One-rank gloo group in this process (the checks do n
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -124,17 +126,31 @@ def test_non_finite_gradient_is_reported_by_name(group):
     assert not torch.isfinite(opt.clip_grad_norm_(1.0, exact=False))
 
 
-def test_state_that_one_shard_cannot_hold_is_refused(group):
+def test_state_of_parameters_that_stepped_apart_loads_and_continues_as_torch(group):
     module = mlp()
     plain = torch.optim.AdamW(module.parameters(), lr=0.01)
     module(torch.ones(2, 4)).sum().backward()
     plain.step()
-    module[0].weight.grad = None  # skipped once: its step count differs from the others'
+    module[0].weight.grad = None  # skipped once: its step count differs from the others', which share its shard
     plain.step()
+    reference = copy.deepcopy(module)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    reference_opt.load_state_dict(plain.state_dict())
     model = fastpar.DDP(module)
     opt = fastpar.ShardedOptimizer(model, torch.optim.AdamW, lr=0.01)
-    with pytest.raises(ValueError, match=r"'step' is 1.0 for 0.weight but 2.0 for 0.bias; they share a shard"):
-        opt.load_state_dict(plain.state_dict())
+    opt.load_state_dict(plain.state_dict())
+    for _ in range(2):
+        for m, o in ((model, opt), (reference, reference_opt)):
+            o.zero_grad()
+            m(torch.ones(2, 4)).square().sum().backward()
+            o.step()
+    state = model.module.state_dict()
+    assert all(torch.equal(state[n], p) for n, p in reference.named_parameters())
+    saved, expected = opt.state_dict(), reference_opt.state_dict()
+    assert [saved["state"][i]["step"].item() for i in range(4)] == [3.0, 4.0, 4.0, 4.0]
+    assert all(
+        torch.equal(saved["state"][i][k], expected["state"][i][k]) for i in range(4) for k in expected["state"][i]
+    )
     with pytest.raises(ValueError, match="different number of parameter groups"):
         opt.load_state_dict({"state": {}, "param_groups": []})
 
@@ -146,6 +162,7 @@ def _stuck_rank(rank: int, world_size: int, where: str) -> str:
     opt = fastpar.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
     model(torch.ones(2, 4)).sum().backward()  # one whole step first: DDP's bucket rebuild is behind us
     opt.step()
+    opt.zero_grad()  # else the next backward first gathers the reduced gradients back, to add onto them
     loss = model(torch.ones(2, 4)).sum()
     if rank == 1 and where == "backward":
         time.sleep(30)  # never reaches the reduce-scatter; the parent ends this rank

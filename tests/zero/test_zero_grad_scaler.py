@@ -1,0 +1,71 @@
+"""Loss scaling under ZeRO: ``fastpar.ShardedGradScaler`` with ``ShardedOptimizer`` gives torch DDP + AdamW +
+``torch.amp.GradScaler`` bit for bit -- unscaling and the inf check on the shards, the skipped step on every rank
+when one rank's batch overflows, the same scale after every ``update()`` -- with and without ``unscale_`` before
+clipping, on spawned gloo ranks (2 and 3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastpar.launcher import spawn
+
+STEPS, OVERFLOW_STEP = 6, 2
+
+
+def _rank(rank: int, world_size: int, clip: bool) -> dict:
+    import warnings
+
+    from ddp_models import MLP
+
+    import fastpar
+
+    warnings.filterwarnings("ignore")
+    out = {}
+    for impl in ("torch", "zero"):
+        torch.manual_seed(0)
+        module = MLP()
+        scaler_args = {"init_scale": 2.0**10, "growth_interval": 2}
+        if impl == "torch":
+            model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=0.002)  # the same buckets
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+            scaler = torch.amp.GradScaler("cpu", **scaler_args)
+        else:
+            model = fastpar.DDP(module, bucket_cap_mb=0.002)  # several buckets, shards cut parameters
+            optimizer = fastpar.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+            scaler = fastpar.ShardedGradScaler("cpu", **scaler_args)
+        gen = torch.Generator().manual_seed(100 + rank)
+        scales, norms = [], []
+        for step in range(STEPS):
+            optimizer.zero_grad()
+            x = torch.randn(8, 16, generator=gen)
+            if step == OVERFLOW_STEP and rank == world_size - 1:
+                x[0, 0] = float("inf")  # one rank's batch overflows: every rank must skip this step
+            scaler.scale(model(x).square().mean()).backward()
+            if clip:
+                scaler.unscale_(optimizer)
+                if impl == "zero":
+                    norms.append(optimizer.clip_grad_norm_(0.05).item())
+                else:
+                    norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        state = model.module.state_dict()  # waits for ZeRO's last all-gather
+        out[impl] = {"params": [state[n].clone() for n, _ in module.named_parameters()], "scales": scales,
+                     "norms": norms}  # fmt: skip
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale_then_clip"])
+def test_sharded_grad_scaler_matches_torch_ddp_with_grad_scaler(world_size, clip):
+    for rank, out in enumerate(spawn(_rank, world_size, clip, timeout=300)):
+        torch_run, zero_run = out["torch"], out["zero"]
+        assert torch_run["scales"][OVERFLOW_STEP] == torch_run["scales"][OVERFLOW_STEP - 1] / 2  # the step was skipped
+        assert zero_run["scales"] == torch_run["scales"], f"rank {rank}"
+        assert list(map(repr, zero_run["norms"])) == list(map(repr, torch_run["norms"])), f"rank {rank}"  # nan too
+        differ = [i for i, (a, b) in enumerate(zip(torch_run["params"], zero_run["params"], strict=True))
+                  if not torch.equal(a, b)]  # fmt: skip
+        assert differ == [], f"rank {rank}: parameters {differ} differ from torch DDP + GradScaler"
