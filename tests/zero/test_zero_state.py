@@ -109,6 +109,7 @@ def test_every_continuation_equals_the_unsharded_run(saved_on_two_ranks, run):
         assert _equal(continued["reference"], continued[run]), f"rank {rank}: {run} differs"
 
 
+@pytest.mark.slow
 def test_state_saved_on_two_ranks_continues_on_three(saved_on_two_ranks):
     saved = saved_on_two_ranks[0]
     results = spawn(_three_ranks, 3, saved["model"], saved["full"], timeout=900)
