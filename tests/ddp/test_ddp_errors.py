@@ -30,6 +30,7 @@ def _unused_without_flag_rank(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_unused_parameters_are_named_with_the_fix():
     for message in spawn(_unused_without_flag_rank, 2, timeout=60):
         assert "never.weight" in message and "sometimes.bias" in message

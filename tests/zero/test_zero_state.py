@@ -94,14 +94,17 @@ def _equal(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_gathered_state_is_the_plain_optimizers_state_bit_for_bit(saved_on_two_ranks):
     assert saved_on_two_ranks[0]["differences"] == []
 
 
+@pytest.mark.slow
 def test_other_ranks_get_a_placeholder_that_refuses_to_load(saved_on_two_ranks):
     assert "load the one rank 0 saved" in saved_on_two_ranks[1]["placeholder_error"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["plain_loads_gathered", "sharded_loads_plain", "sharded_loads_gathered"])
 def test_every_continuation_equals_the_unsharded_run(saved_on_two_ranks, run):
     for rank, result in enumerate(saved_on_two_ranks):
