@@ -9,6 +9,8 @@ import torch
 
 from fastpar.launcher import spawn
 
+pytestmark = pytest.mark.slow  # spawned ranks save, reload and continue on 2 and 3 ranks: run with --full
+
 KIND, OPT = "cnn", "adamw"
 BUILD = {"groups": "no_decay_bias", "channels_last": True}  # two param groups; channels_last (strided) state
 
@@ -94,17 +96,14 @@ def _equal(a: dict, b: dict) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.slow
 def test_gathered_state_is_the_plain_optimizers_state_bit_for_bit(saved_on_two_ranks):
     assert saved_on_two_ranks[0]["differences"] == []
 
 
-@pytest.mark.slow
 def test_other_ranks_get_a_placeholder_that_refuses_to_load(saved_on_two_ranks):
     assert "load the one rank 0 saved" in saved_on_two_ranks[1]["placeholder_error"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("run", ["plain_loads_gathered", "sharded_loads_plain", "sharded_loads_gathered"])
 def test_every_continuation_equals_the_unsharded_run(saved_on_two_ranks, run):
     for rank, result in enumerate(saved_on_two_ranks):
@@ -112,7 +111,6 @@ def test_every_continuation_equals_the_unsharded_run(saved_on_two_ranks, run):
         assert _equal(continued["reference"], continued[run]), f"rank {rank}: {run} differs"
 
 
-@pytest.mark.slow
 def test_state_saved_on_two_ranks_continues_on_three(saved_on_two_ranks):
     saved = saved_on_two_ranks[0]
     results = spawn(_three_ranks, 3, saved["model"], saved["full"], timeout=900)
