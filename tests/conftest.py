@@ -49,7 +49,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     left_out = config.stash.get(_LEFT_OUT, 0)
     if left_out:
         terminalreporter.write_line(
-            f"fast suite: {left_out} tests marked 'slow' were left out (deselected); "
+            f"fast suite: {left_out} {'test' if left_out == 1 else 'tests'} marked 'slow' left out (deselected); "
             f"run everything with: {FULL_SUITE_COMMAND}"
         )
 
