@@ -1,4 +1,5 @@
-"""Shared test setup: loopback-only process groups, CUDA skipping, and a clean extension state."""
+"""Shared test setup: the fast default suite (``--full`` adds the tests marked ``slow``), loopback-only process
+groups, CUDA skipping, and a clean extension state."""
 
 from __future__ import annotations
 
@@ -14,11 +15,43 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 HAS_CUDA = torch.cuda.is_available()
 
 
+FULL_SUITE_COMMAND = "python -m pytest -q tests --full"
+_LEFT_OUT = pytest.StashKey[int]()  # how many slow tests the default run deselected
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--full",
+        action="store_true",
+        default=False,
+        help="run the whole suite, including the tests marked 'slow' (the default run leaves them out)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
+    if config.getoption("--full"):
+        return
+    # The default run answers in minutes: every part keeps its cheapest end-to-end tests, and the rest (more
+    # ranks, more shapes, more models of the same check) is deselected, not skipped, so that the summary
+    # counts what was left out instead of reporting it as passed or skipped.
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+    config.stash[_LEFT_OUT] = len(slow)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    left_out = config.stash.get(_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(
+            f"fast suite: {left_out} {'test' if left_out == 1 else 'tests'} marked 'slow' left out (deselected); "
+            f"run everything with: {FULL_SUITE_COMMAND}"
+        )
 
 
 @pytest.fixture

@@ -47,6 +47,7 @@ def test_allreduce_two_ranks_writes_json_and_png(tmp_path, capsys):
     assert {c["key"]: c["unit"] for c in data["columns"]}["busbw"] == "GB/s"
 
 
+@pytest.mark.slow
 def test_reducescatter_three_ranks_rounds_to_whole_elements_per_rank(tmp_path, capsys):
     out_json = tmp_path / "rs.json"
     argv = ["reducescatter", "--nproc", "3", "--dtype", "bfloat16", "-b", "1000", "-e", "4000", "-f", "2"]
@@ -63,6 +64,7 @@ def test_reducescatter_three_ranks_rounds_to_whole_elements_per_rank(tmp_path, c
         assert row["wrong"] == 0 and row["busbw"] == pytest.approx(row["algbw"] * 2 / 3)
 
 
+@pytest.mark.slow
 def test_fusion_two_ranks_reports_share_of_single(tmp_path, capsys):
     out_json, out_png = tmp_path / "fusion.json", tmp_path / "fusion.png"
     argv = ["fusion", "--nproc", "2", "--count", "40", "--numel", "64", "--bucket-cap-mb", "0.004"]
@@ -125,6 +127,7 @@ def _corrupting_rank_main(rank, world_size, ctx):
     return collectives._rank_main(rank, world_size, ctx)
 
 
+@pytest.mark.slow
 def test_wrong_collective_result_raises_on_every_rank_before_any_timing():
     from fastpar.bench import launch
     from fastpar.bench.cli import prepare
@@ -155,6 +158,7 @@ def test_wrong_pack_result_exits_nonzero_without_a_speed(monkeypatch, capsys):
     assert "GB/s" not in captured.out
 
 
+@pytest.mark.slow
 def test_data_benchmark_on_a_tiny_folder(tmp_path, capsys):
     from fastpar.data.synthetic import make_image_folder
 
@@ -240,6 +244,7 @@ def test_one_process_benchmark_takes_nproc_1_and_runs_on_rank_0_only_under_torch
     assert capsys.readouterr() == ("", "")
 
 
+@pytest.mark.slow
 def test_torchrun_launch_prints_one_table(tmp_path):
     """torchrun --nproc_per_node=2 -m fastpar bench allreduce: the process group comes from the environment,
     rank 0 prints and writes the JSON."""
@@ -256,6 +261,7 @@ def test_torchrun_launch_prints_one_table(tmp_path):
     assert [row["size"] for row in json.loads(out_json.read_text())["rows"]] == [1024, 2048]
 
 
+@pytest.mark.slow
 def test_all_passes_shared_flags_on_and_keeps_going_past_a_failure(tmp_path, capsys):
     out = tmp_path / "report"
     argv = ["all", "--json", str(out), "--only", "allreduce,fusion", "--dtype", "int8", "--nproc", "1"]
@@ -299,6 +305,7 @@ def test_ddp_goals_compare_with_the_best_fp32_torch_variant_and_the_best_fixed_c
     assert [(g.met, g.flagged) for g in goals] == [(True, False), (False, False), (False, False)]
 
 
+@pytest.mark.slow
 def test_ddp_auto_variant_settles_before_timing(capsys):
     argv = ["ddp", "--nproc", "2", "--models", "blocks", "--variants", "fastpar_auto,fastpar_cap_4,fastpar_cap_25"]
     assert main([*argv, "--batch", "8", "-n", "1", "-w", "0", "--rounds", "1"]) == 0

@@ -17,6 +17,7 @@ def _not_under_torchrun(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
 
 
+@pytest.mark.slow
 def test_zero_benchmark_reports_state_per_rank_and_goals(tmp_path, capsys):
     out = tmp_path / "zero.json"
     argv = ["zero", "--models", "tiny", "--nproc", "2", "-n", "1", "-w", "1", "--rounds", "1", "--json", str(out)]

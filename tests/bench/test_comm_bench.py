@@ -17,6 +17,7 @@ def _not_under_torchrun(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
 
 
+@pytest.mark.slow
 def test_allreduce_on_fastpar_prints_gloo_alongside_and_the_goals(tmp_path, capsys):
     out_json = tmp_path / "ar.json"
     argv = ["allreduce", "--nproc", "2", "--backend", "fastpar", "-b", "4K", "-e", "16K", "-f", "4"]
@@ -30,6 +31,7 @@ def test_allreduce_on_fastpar_prints_gloo_alongside_and_the_goals(tmp_path, caps
     assert all(r["wrong"] == 0 and r["gloo_us"] > 0 and r["x_gloo"] > 0 for r in rows)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["reducescatter", "allgather", "broadcast"])
 def test_other_collectives_on_fastpar_check_both_backends(name, capsys):
     argv = [name, "--nproc", "3", "--backend", "fastpar", "--dtype", "bfloat16", "-b", "6K", "-e", "6K"]
@@ -37,6 +39,7 @@ def test_other_collectives_on_fastpar_check_both_backends(name, capsys):
     assert "x gloo" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_ddp_step_on_fastpar_times_stock_ddp_on_gloo(capsys):
     argv = ["ddp", "--backend", "fastpar", "--models", "blocks", "--variants", "fastpar_fp32", "--batch", "8"]
     assert main([*argv, "-n", "1", "-w", "0", "--rounds", "1"]) == 0

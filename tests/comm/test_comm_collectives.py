@@ -120,7 +120,7 @@ def _parity_rank(rank: int, world: int) -> dict:
     return {"status": status, "failures": failures}
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_every_collective_and_dtype_matches_gloo_bit_for_bit(world):
     results = spawn(_parity_rank, world, backend="fastpar", timeout=900)
     for rank, result in enumerate(results):
@@ -220,6 +220,7 @@ def _layouts_rank(rank: int, world: int) -> list[str]:
     return failures
 
 
+@pytest.mark.slow
 def test_layouts_coalesced_and_delegated_calls_match_gloo():
     for rank, failures in enumerate(spawn(_layouts_rank, 3, backend="fastpar", timeout=600)):
         assert failures == [], f"rank {rank}: differs from gloo: {failures}"
@@ -303,6 +304,7 @@ def _async_rank(rank: int, world: int) -> dict:
     return outcome
 
 
+@pytest.mark.slow
 def test_async_works_in_flight_at_once_wait_future_result():
     for outcome in spawn(_async_rank, 2, backend="fastpar", timeout=600):
         assert all(outcome["equal"]), outcome
@@ -318,6 +320,7 @@ def _device_map_rank(rank: int, world: int) -> dict:
     return {"backend": dist.get_backend(), "status": fastpar.comm.shm_status(), "sum": t.tolist()}
 
 
+@pytest.mark.slow
 def test_device_backend_string_cpu_fastpar():
     for result in spawn(_device_map_rank, 2, backend="cpu:fastpar", timeout=300):
         assert result["status"]["shm"], result

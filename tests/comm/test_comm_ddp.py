@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -79,6 +80,7 @@ def _zero_rank(rank: int, world: int) -> bool:
     return all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
 
 
+@pytest.mark.slow
 def test_zero_on_the_fastpar_backend_matches_torch_ddp_on_gloo_at_three_ranks():
     # the fastpar backend's reduce-scatter sums in another order than its (gloo-ordered) all-reduce: "auto" must
     # pick the point-to-point exchange there, as on gloo

@@ -96,6 +96,7 @@ def _killed_mid_collective(rank: int, world: int):
     return first, again
 
 
+@pytest.mark.slow
 def test_rank_killed_mid_collective_is_named_and_nothing_is_left_in_dev_shm():
     outcome, pids = _run(_killed_mid_collective, 3, pg_timeout=120)
     assert outcome[2] == ("died", -signal.SIGKILL)
@@ -115,6 +116,7 @@ def _never_arrives(rank: int, world: int):
     return _timed(lambda: dist.all_reduce(torch.ones(10)))
 
 
+@pytest.mark.slow
 def test_rank_that_never_arrives_is_named_at_the_timeout():
     outcome, _ = _run(_never_arrives, 2, pg_timeout=3)
     kind, (message, seconds) = outcome[0]
@@ -130,6 +132,7 @@ def _left_early(rank: int, world: int):
     return _timed(lambda: dist.all_reduce(torch.ones(10)))
 
 
+@pytest.mark.slow
 def test_rank_that_left_is_named():
     outcome, _ = _run(_left_early, 2, pg_timeout=120)
     kind, (message, seconds) = outcome[0]
@@ -155,6 +158,7 @@ def _broadcast_roots_disagree(rank: int, world: int):
     return _timed(lambda: dist.broadcast(torch.full((10,), float(rank)), src=rank))
 
 
+@pytest.mark.slow
 def test_broadcast_with_different_roots_fails_on_every_rank():
     outcome, _ = _run(_broadcast_roots_disagree, 2, pg_timeout=120)
     for rank in (0, 1):
@@ -167,6 +171,7 @@ def _broadcast_sizes_disagree(rank: int, world: int):
     return _timed(lambda: dist.broadcast(torch.zeros(10 + rank), src=0))
 
 
+@pytest.mark.slow
 def test_broadcast_root_learns_of_a_receiver_with_another_size():
     outcome, _ = _run(_broadcast_sizes_disagree, 2, pg_timeout=120)
     for rank in (0, 1):
@@ -303,6 +308,7 @@ def _status(rank: int, world: int):
     return fastpar.comm.shm_status(), t.tolist()
 
 
+@pytest.mark.slow
 def test_next_group_removes_a_segment_a_crash_left():
     stale = segments.SHM_DIR / f"fastpar.{os.geteuid()}.{segments.creator_tag(_dead_pid(), '777')}.0.0"
     stale.write_bytes(b"left by a crash during init")
@@ -331,6 +337,7 @@ def test_segment_is_private_to_the_user_and_reserved():
         ext.shm_unlink(name)
 
 
+@pytest.mark.slow
 def test_disabled_shm_falls_back_to_gloo_with_the_reason(monkeypatch):
     monkeypatch.setenv("FASTPAR_SHM", "0")  # inherited by the spawned ranks
     for status, total in spawn(_status, 2, backend="fastpar", timeout=300):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from fastpar.train import Trainer, TrainingOptions, environment
@@ -41,6 +42,7 @@ def test_cpu_plan_picks_fastpar_by_default_and_gloo_on_request(monkeypatch):
     assert environment.resolve("cpu", devices=1).backend is None  # one process: no group at all
 
 
+@pytest.mark.slow
 def test_trainer_cpu_processes_reduce_through_shared_memory(tmp_path):
     record = tmp_path / "backend.json"
     x, y = torch.randn(64, 4, generator=torch.Generator().manual_seed(0)), torch.arange(64) % 2

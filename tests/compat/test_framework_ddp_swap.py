@@ -24,6 +24,8 @@ import torch
 
 from fastpar.launcher import RankError, spawn
 
+pytestmark = pytest.mark.slow  # accelerate and lightning on spawned ranks: run with --full
+
 # Cases that fail with today's fastpar, and why (none now):
 # the xfail marks are strict, so a case that starts passing fails until its entry is removed.
 EXPECTED_TO_FAIL_TODAY: dict[str, str] = {}

@@ -101,6 +101,7 @@ def test_torch_ddp_suite_loads():
     assert sum(reason is None for reason in TESTS.values()) >= 10, "torch's suite runs almost no DDP test here"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [_param(name, reason) for name, reason in TESTS.items()])
 def test_torch_ddp(name, suite_results):
     result = suite_results[name]

@@ -26,6 +26,7 @@ def calibrated(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_calibrate_writes_a_complete_profile(calibrated, capsys):
     profile = Profile.load(calibrated / "profile.json")
     assert profile.world_size == 2 and profile.backend == "gloo"
@@ -50,6 +51,7 @@ def test_calibrate_writes_a_complete_profile(calibrated, capsys):
     assert {row["kind"] for row in report["rows"]} >= {"allreduce", "move", "compute", "contention", "step"}
 
 
+@pytest.mark.slow
 def test_simulate_from_the_profile(calibrated, capsys):
     out = calibrated / "simulate.json"
     plot = calibrated / "simulate.png"
@@ -70,6 +72,7 @@ def test_simulate_from_the_profile(calibrated, capsys):
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow
 def test_simulate_on_a_preset_and_on_a_saved_topology(calibrated, tmp_path, capsys):
     profile = str(calibrated / "profile.json")
     assert main(["simulate", "--profile", profile, "--preset", "h100-nvswitch-ib400", "--ranks", "8,1024",

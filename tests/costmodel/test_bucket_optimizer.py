@@ -130,6 +130,7 @@ def _decide_on_rank(rank: int, world_size: int) -> list[list[int]]:
     return decide_buckets(grads, profile)
 
 
+@pytest.mark.slow
 def test_rank0_decision_is_broadcast_to_every_rank(no_process_group):
     results = spawn(_decide_on_rank, 2, timeout=240)
     assert results[0] == results[1]
@@ -148,6 +149,7 @@ def _mismatched_counts(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_ranks_with_different_parameters_get_an_error_not_a_hang(no_process_group):
     messages = spawn(_mismatched_counts, 2, timeout=240)
     assert all("every rank must time the same parameters" in m for m in messages)

@@ -131,6 +131,7 @@ def _hammer(rank: int, world_size: int, root: str, limit: int) -> int:
     return wrong
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limit", [None, 60_000])
 def test_cache_shared_by_ranks_never_serves_a_partial_object(tmp_path, limit):
     wrong = spawn(_hammer, 3, str(tmp_path), limit, backend=None, timeout=240)

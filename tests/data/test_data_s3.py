@@ -29,10 +29,11 @@ from fastpar.launcher import spawn  # noqa: E402
 HAS_DALI = available("nvidia.dali")
 SIZE = 24
 PATIENT = StoreOptions(retries=30, max_backoff_s=2.0)  # outlasts a server restart on a loaded machine
+NO_DALI = pytest.mark.skipif(not HAS_DALI, reason="no DALI")
 MODES = [
     pytest.param(("torch", "client"), id="torch"),
-    pytest.param(("dali", "client"), id="dali-client", marks=pytest.mark.skipif(not HAS_DALI, reason="no DALI")),
-    pytest.param(("dali", "dali"), id="dali-reader", marks=pytest.mark.skipif(not HAS_DALI, reason="no DALI")),
+    pytest.param(("dali", "client"), id="dali-client", marks=[NO_DALI, pytest.mark.slow]),
+    pytest.param(("dali", "dali"), id="dali-reader", marks=[NO_DALI, pytest.mark.slow]),
 ]
 
 
@@ -95,6 +96,7 @@ def test_same_batches_as_the_local_folder(s3, folders, mode):
     assert "s3://imgs/train" in repr(remote)
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_from_a_bucket(s3, folders):
     remote = load("s3://imgs/train", seed=9)
     reference = list(load(folders / "imgs" / "train", seed=9))
@@ -106,6 +108,7 @@ def test_resume_mid_epoch_from_a_bucket(s3, folders):
     assert same(head + list(resumed), reference)
 
 
+@pytest.mark.slow
 def test_torch_workers_fetch_in_their_own_processes(s3, folders):
     remote = load("s3://imgs/train", "torch", num_threads=2, seed=1)
     assert same(list(remote), list(load(folders / "imgs" / "train", "torch", num_threads=2, seed=1)))
@@ -119,6 +122,7 @@ def test_listing_is_paginated(s3):
     assert len(listings) == 8  # ceil(36 / 5) pages
 
 
+@pytest.mark.slow
 def test_endpoint_argument_instead_of_the_environment(s3, folders, monkeypatch):
     monkeypatch.delenv("AWS_ENDPOINT_URL")
     remote = load("s3://imgs/train", train=False, endpoint_url=s3.endpoint)
@@ -138,6 +142,7 @@ def _rank_reads_its_shard(rank: int, world_size: int, local_root: str, cache_dir
     return result
 
 
+@pytest.mark.slow
 def test_ranks_list_once_read_only_their_shard_and_share_a_cache(s3, folders, tmp_path):
     results = spawn(_rank_reads_its_shard, 3, str(folders / "imgs" / "train"), str(tmp_path), timeout=300)
     assert [r["batches"] for r in results] == [3, 3, 3]  # 36 images / 3 ranks / batch 4
@@ -166,6 +171,7 @@ def test_cache_hit_on_epoch_two(s3, folders, tmp_path):
     assert same(first, list(local)) and same(second, list(local))
 
 
+@pytest.mark.slow
 def test_cache_size_limit(s3, folders, tmp_path):
     total = sum(p.stat().st_size for p in (folders / "imgs" / "train").rglob("*.jpg"))
     remote = load("s3://imgs/train", seed=2, cache_dir=tmp_path, cache_max_bytes=total // 3)
@@ -176,6 +182,7 @@ def test_cache_size_limit(s3, folders, tmp_path):
     assert 0 < s3.object_gets() < 72  # the second epoch found some objects in the cache, not all
 
 
+@pytest.mark.slow
 def test_changed_object_is_fetched_again_not_served_stale(s3, tmp_path):
     import boto3
 
@@ -194,6 +201,7 @@ def test_changed_object_is_fetched_again_not_served_stale(s3, tmp_path):
     assert s3.object_gets() == 4 + 1  # the unchanged three came from the cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_retries_when_the_server_restarts_mid_epoch(s3, folders, mode):
     backend, reader = mode
@@ -235,6 +243,7 @@ def test_gives_up_with_an_error_naming_bucket_and_key(s3, mode):
         list(remote)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_DALI, reason="no DALI")
 def test_dali_reader_refuses_what_it_cannot_do(s3, monkeypatch, tmp_path):
     list(load("s3://imgs/train", "dali", "dali"))  # DALI's S3 client now exists in this process, for this endpoint
@@ -287,6 +296,7 @@ def _rank_lists_a_missing_bucket(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_listing_error_reaches_every_rank(s3):
     messages = spawn(_rank_lists_a_missing_bucket, 2, timeout=300)
     assert all("does not exist" in m and "(listed on rank 0)" in m for m in messages)
@@ -310,6 +320,7 @@ def auth_server(folders):
         yield s3
 
 
+@pytest.mark.slow
 def test_permissions_and_credentials_are_reported_never_logged(auth_server, monkeypatch, folders):
     for key, value in auth_server.env("reader").items():
         monkeypatch.setenv(key, value)
@@ -341,6 +352,7 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
+@pytest.mark.slow
 def test_trainer_trains_from_a_bucket_with_a_shared_cache(s3, tmp_path):
     from fastpar.train import Trainer, TrainingOptions
 
@@ -362,6 +374,7 @@ def test_trainer_checks_the_url_before_launching(tmp_path):
                 options=TrainingOptions(output_dir=str(tmp_path))).fit()  # fmt: skip
 
 
+@pytest.mark.slow
 def test_bench_data_against_a_local_server(capsys, tmp_path):
     from fastpar.bench.cli import main
 
@@ -380,6 +393,7 @@ def test_bench_data_against_a_local_server(capsys, tmp_path):
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_bench_data_against_a_bucket_url(s3, capsys):
     from fastpar.bench.cli import main
 

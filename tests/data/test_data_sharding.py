@@ -188,6 +188,7 @@ def _rank_loaders(rank, world_size):
     return ld.rank, ld.world_size, len(ld), arrays, streamed, reduced_on, str(collective_device())
 
 
+@pytest.mark.slow
 def test_real_process_group_defaults_and_stream_agreement():
     results = spawn(_rank_loaders, 3, timeout=120)
     assert [r[:2] for r in results] == [(0, 3), (1, 3), (2, 3)]

@@ -210,6 +210,7 @@ def two_ranks_forced():
     return spawn(_auto_rank, 2, True, timeout=900)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["mlp", "find_unused", "static_graph", "no_sync", "fp16_hook"])
 def test_auto_rebuild_keeps_torchs_bits_at_two_ranks(two_ranks_forced, case):
     result = _check_agreement(two_ranks_forced, case)
@@ -219,6 +220,7 @@ def test_auto_rebuild_keeps_torchs_bits_at_two_ranks(two_ranks_forced, case):
     assert len(result["layout"]) > 1 and all(len(b) == 1 for b in result["layout"])
 
 
+@pytest.mark.slow
 def test_auto_decides_on_its_own_and_every_rank_agrees():
     results = spawn(_auto_rank, 2, False, timeout=900)
     for case in ("mlp", "find_unused", "static_graph", "no_sync", "fp16_hook"):
@@ -235,6 +237,7 @@ def _three_rank(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_auto_at_three_ranks_every_rank_ends_with_the_same_bits():
     results = spawn(_three_rank, 3, timeout=900)
     for case in ("mlp", "find_unused", "static_graph", "no_sync", "fp16_hook"):
@@ -262,6 +265,7 @@ def _rollback_rank(rank: int, world_size: int) -> dict:
     return {"before": before, "after": model.reducer.layout(), "auto": model.reducer.auto.summary()}
 
 
+@pytest.mark.slow
 def test_a_prediction_that_does_not_hold_is_rolled_back():
     for result in spawn(_rollback_rank, 2, timeout=300):
         assert result["auto"]["kept"] == "current layout" and result["auto"]["phase"] == "done"
@@ -283,11 +287,13 @@ def _join_rank(rank: int, world_size: int) -> dict:
     return model.reducer.auto.summary()
 
 
+@pytest.mark.slow
 def test_join_stops_auto_where_it_is():
     for summary in spawn(_join_rank, 2, timeout=300):
         assert summary["phase"] == "off" and "join()" in summary["stopped"]
 
 
+@pytest.mark.slow
 def test_guide_example_runs_as_written():
     import os
     import re
@@ -324,6 +330,7 @@ def _failing_plan_rank(rank: int, world_size: int) -> dict:
     return {"auto": model.reducer.auto.summary()}
 
 
+@pytest.mark.slow
 def test_a_planning_error_on_rank0_keeps_the_layout_on_every_rank():
     results = spawn(_failing_plan_rank, 2, timeout=300)
     for result in results:

@@ -27,6 +27,7 @@ def _coalesced_rank(rank: int, world_size: int, cap_mb: float) -> bool:
     return all(torch.equal(a, b) for a, b in zip(tensors, expected, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap_mb", [25.0, 0.01])
 def test_all_reduce_coalesced_matches_per_tensor(cap_mb):
     assert spawn(_coalesced_rank, 2, cap_mb, timeout=120) == [True, True]

@@ -30,6 +30,7 @@ def _unused_without_flag_rank(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_unused_parameters_are_named_with_the_fix():
     for message in spawn(_unused_without_flag_rank, 2, timeout=60):
         assert "never.weight" in message and "sometimes.bias" in message
@@ -51,6 +52,7 @@ def _skip_backward_rank(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_rank_that_never_reaches_a_bucket_is_named_without_hanging():
     start = time.monotonic()
     with pytest.raises(RankError) as info:
@@ -74,6 +76,7 @@ def _shape_mismatch_rank(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_parameter_shape_mismatch_names_the_first_parameter():
     for message in spawn(_shape_mismatch_rank, 2, timeout=60):
         assert "Parameter #2 is 1.weight [3, 8]" in message and "1.weight [4, 8]" in message

@@ -156,6 +156,7 @@ def test_mixed_dtypes_get_separate_buckets(features):
         assert r["one_dtype_per_bucket"]
 
 
+@pytest.mark.slow
 def test_join_with_uneven_inputs_matches_torch():
     assert spawn(_join_rank, 2, timeout=120) == [[], []]
 

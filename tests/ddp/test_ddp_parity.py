@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from selection import selected_params
 
 from fastpar.launcher import spawn
 
@@ -53,6 +54,8 @@ CASES = {
     "deepcopy_roundtrip": ("mlp", {}, {"roundtrip": "deepcopy"}),
     "small_buckets": ("resnet", {"bucket_cap_mb": 0.004}, {}),
 }
+# the default suite's cases (the rest are marked slow and run with --full)
+FAST_CASES = ("mlp", "cnn_batchnorm", "unused_find_unused", "no_sync_accumulation", "static_graph")
 VARIANTS = ("views", "copy_on_arrival", "bucket_pack", "no_views", "torch_views")
 THREE_RANK_VARIANTS = ("views", "no_views", "torch_views")
 
@@ -118,21 +121,22 @@ def _check(results: list[dict], case: str, variant: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return spawn(_matrix_rank, 2, VARIANTS, timeout=900)
+def two_ranks(request):
+    return spawn(_matrix_rank, 2, VARIANTS, selected_params(request, "case"), timeout=900)
 
 
 @pytest.fixture(scope="module")
-def three_ranks():
-    return spawn(_matrix_rank, 3, THREE_RANK_VARIANTS, timeout=900)
+def three_ranks(request):
+    return spawn(_matrix_rank, 3, THREE_RANK_VARIANTS, selected_params(request, "case"), timeout=900)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c if c in FAST_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_bit_identical_to_torch_ddp_two_ranks(two_ranks, case, variant):
     _check(two_ranks, case, variant)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", THREE_RANK_VARIANTS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_bit_identical_to_torch_ddp_three_ranks(three_ranks, case, variant):

@@ -126,6 +126,7 @@ def pipeline_results():
     return spawn(_pipeline_rank, 2, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["views", "no_views", "torch_views", "fp16_hook"])
 def test_buckets_finished_early_give_torchs_bits(pipeline_results, case):
     for rank, result in enumerate(pipeline_results):
@@ -136,6 +137,7 @@ def test_buckets_finished_early_give_torchs_bits(pipeline_results, case):
         assert all(n >= 1 for n in early[1:]), early
 
 
+@pytest.mark.slow
 def test_find_unused_never_finishes_a_bucket_with_a_locally_unused_parameter_early(pipeline_results):
     for result in pipeline_results:
         differing, early = result["find_unused"]
@@ -144,6 +146,7 @@ def test_find_unused_never_finishes_a_bucket_with_a_locally_unused_parameter_ear
         assert len(early) == 6
 
 
+@pytest.mark.slow
 def test_low_precision_buckets_finished_early_are_unchanged(pipeline_results):
     for result in pipeline_results:
         differing, early, none = result["bf16"]
@@ -206,6 +209,7 @@ def _coalesced_rank(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_coalesced_paths_match_per_tensor_all_reduce():
     for result in spawn(_coalesced_rank, 2, timeout=180):
         assert result["buckets"] > 50

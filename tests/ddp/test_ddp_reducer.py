@@ -67,6 +67,7 @@ def _framework_calls_rank(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_framework_reducer_calls_match_torch():
     for outcome in spawn(_framework_calls_rank, 2, timeout=180):
         assert outcome == {"accelerate": [], "lightning_find_unused": []}
@@ -111,6 +112,7 @@ def _unused_up_front_rank(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_unused_parameters_are_ready_before_backward_reaches_them():
     for out in spawn(_unused_up_front_rank, 2, timeout=120):
         order = [n for bucket in out["names"] for n in bucket]
@@ -196,6 +198,7 @@ def _stream_ordered_rank(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_stream_ordered_wait_reports_the_missing_rank_at_the_next_step(capfd):
     results = spawn(_stream_ordered_rank, 2, timeout=90, pg_timeout=5)
     message = results[0]
@@ -240,6 +243,7 @@ def _incomplete_backward_rank(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_incomplete_backward_is_reported():
     for out in spawn(_incomplete_backward_rank, 2, timeout=60):
         assert "a.weight" in out["backward"] and "find_unused_parameters=True" in out["backward"]
@@ -263,6 +267,7 @@ def _graph_changed_rank(rank: int, world_size: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_static_graph_that_changes_is_named():
     for message in spawn(_graph_changed_rank, 2, timeout=60):
         assert "static_graph=True" in message and "sometimes.weight" in message
@@ -313,6 +318,7 @@ def _twice_rank(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_gradient_twice_in_one_backward_is_named_and_static_graph_counts_it():
     for out in spawn(_twice_rank, 2, timeout=120):
         assert "received a gradient twice" in out["dynamic"] and "shared." in out["dynamic"] and "static_graph=True" in out["dynamic"]

@@ -107,6 +107,7 @@ def long_cpu_training(output_dir: str) -> None:
 
 
 # --- sweep ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sweep_runs_trials_at_once_on_disjoint_cores_bit_identical_to_alone_and_survives_a_failure(tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 usable CPUs for two slots")
@@ -181,6 +182,7 @@ def test_submit_future_result_callback_progress_and_failure(jobs_dir):
     assert jobs.load(future.id).result(timeout=60) == 5  # a second handle, by id
 
 
+@pytest.mark.slow
 def test_cancel_stops_a_running_trainer_and_every_process_it_started(jobs_dir, tmp_path):
     future = fastpar.submit(long_cpu_training, str(tmp_path / "out"), cluster="local")
     deadline = time.time() + 300
@@ -253,6 +255,7 @@ print("script says", args.greeting, flush=True)
 """
 
 
+@pytest.mark.slow
 def test_batch_job_outlives_its_submitter_and_is_fetched_by_id_in_a_fresh_process(jobs_dir, tmp_path):
     script = tmp_path / "greet.py"
     script.write_text(SCRIPT)
@@ -267,6 +270,7 @@ def test_batch_job_outlives_its_submitter_and_is_fetched_by_id_in_a_fresh_proces
     assert "STATE COMPLETED" in fetched.stdout and "script says hello" in fetched.stdout
 
 
+@pytest.mark.slow
 def test_jobs_cli_list_status_logs_result_cancel(jobs_dir, capsys):
     ok, bad = fastpar.submit(add, 20, 22, name="adder"), fastpar.submit(fail_with, "boom")
     concurrent.futures.wait([ok, bad], timeout=300)
@@ -322,6 +326,7 @@ def test_bad_input_is_refused_before_anything_is_submitted(jobs_dir, tmp_path):
 
 
 # --- the README's examples, run as written ---------------------------------------------------------------
+@pytest.mark.slow
 def test_readme_examples_run_as_written(tmp_path):
     """examples/jobs_sweep.py, jobs_submit.py and the shell lines of jobs_batch.py, from a fresh folder."""
     bin_dir = tmp_path / "bin"

@@ -66,6 +66,7 @@ def _assert_same(params: dict[str, torch.Tensor], reference: dict[str, torch.Ten
         assert torch.equal(params[name], tensor), f"{name} differs from one agent with 2 processes"
 
 
+@pytest.mark.slow
 def test_two_torchrun_agents_end_bit_identical_to_one_agent(one_agent, tmp_path):
     out, port, run_id = tmp_path / "params.pt", free_port(), uuid.uuid4().hex
     agents = [_torchrun(2, 1, node_rank, port, run_id, out) for node_rank in (0, 1)]
@@ -73,6 +74,7 @@ def test_two_torchrun_agents_end_bit_identical_to_one_agent(one_agent, tmp_path)
     _assert_same(torch.load(out), one_agent)
 
 
+@pytest.mark.slow
 def test_batch_on_two_local_nodes_ends_bit_identical_to_one_agent(one_agent, tmp_path, monkeypatch):
     monkeypatch.setenv("FASTPAR_JOBS_DIR", str(tmp_path / "jobs"))
     out = tmp_path / "params.pt"

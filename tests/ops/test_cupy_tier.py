@@ -41,7 +41,12 @@ def nvrtc_or_skip() -> None:
 
 
 # ---- the kernels compile through NVRTC (the CI check; no GPU needed) ----------------------------------------------
-@pytest.mark.parametrize("target", ["sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"])
+SM_TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+
+
+@pytest.mark.parametrize(
+    "target", [t if t in ("sm_80", "sm_90") else pytest.param(t, marks=pytest.mark.slow) for t in SM_TARGETS]
+)
 def test_every_kernel_compiles_through_nvrtc(target):
     nvrtc_or_skip()
     if int(target[3:]) not in nvrtc.supported_archs():
@@ -267,6 +272,7 @@ def _ddp_rank(rank: int, world_size: int) -> dict:
     return outcome
 
 
+@pytest.mark.slow
 def test_ddp_uses_the_live_tier_with_identical_results():
     for rank, outcome in enumerate(spawn(_ddp_rank, 2, timeout=300)):
         for key, value in outcome.items():

@@ -143,6 +143,7 @@ def test_run_learns_and_writes_metrics_and_plot(reference):
         assert min(image.size) > 200
 
 
+@pytest.mark.slow
 def test_fastpar_ddp_gives_bit_identical_results_to_torch_ddp(reference, fastpar_run):
     result, _ = fastpar_run
     assert result.steps == STEPS
@@ -151,6 +152,7 @@ def test_fastpar_ddp_gives_bit_identical_results_to_torch_ddp(reference, fastpar
     assert result.last("val_accuracy") == reference.last("val_accuracy")
 
 
+@pytest.mark.slow
 def test_resume_mid_run_from_a_dataloader_and_output_function_stops_every_rank(reference, fastpar_run, tmp_path):
     """Resume at step 12 of the fastpar run (now on torch DDP) with the same samples given as a torch DataLoader
     made in the launcher (re-planned per rank: 18 steps/epoch, not 36); an output function's truthy answer
@@ -181,6 +183,7 @@ def test_resume_mid_run_from_a_dataloader_and_output_function_stops_every_rank(r
     assert calls[-1]["iteration"] == 24 and calls[-1]["total_steps"] == STEPS
 
 
+@pytest.mark.slow
 def test_killed_worker_restarts_and_ends_bit_identical(reference, tmp_path):
     loss = KillingLoss(at=10, marker=str(tmp_path / "killed-once"))  # dies in step 10, mid-epoch 1
     result = fit(tmp_path, loss_fn=loss, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=4, max_restarts=1)

@@ -49,6 +49,7 @@ def sharded_run(tmp_path_factory):
     return fit(tmp, shard_optimizer=True, checkpoint_dir=str(tmp / "ck"), checkpoint_every=6, keep_checkpoints=9), tmp
 
 
+@pytest.mark.slow
 def test_sharded_run_equals_the_unsharded_run(sharded_run, tmp_path):
     result, _ = sharded_run
     plain = fit(tmp_path)
@@ -58,6 +59,7 @@ def test_sharded_run_equals_the_unsharded_run(sharded_run, tmp_path):
     assert [r["lr"] for r in result.history] == [r["lr"] for r in plain.history]
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_the_full_state_a_plain_optimizer_loads(sharded_run):
     _, tmp = sharded_run
     state = torch.load(ckpt.checkpoint_path(tmp / "ck", 12), weights_only=True)
@@ -70,6 +72,7 @@ def test_checkpoint_holds_the_full_state_a_plain_optimizer_loads(sharded_run):
         assert plain.state[p]["exp_avg"].shape == p.shape and float(plain.state[p]["step"]) == 12.0
 
 
+@pytest.mark.slow
 def test_resume_from_a_mid_run_checkpoint_is_exact(sharded_run, tmp_path):
     result, tmp = sharded_run
     (tmp_path / "ck").mkdir()
@@ -86,6 +89,7 @@ def test_shard_optimizer_needs_fastpars_ddp():
         TrainingOptions(shard_optimizer=True, ddp="torch")
 
 
+@pytest.mark.slow
 def test_unused_parameter_trains_and_clipping_keeps_the_used_parameters_identical(tmp_path):
     """A parameter no rank uses has no gradient: torch's clipping leaves it out of the total norm, so the sharded
     norm must too (an extra 0 among the norms changed the clip coefficient's last bit, and every used parameter

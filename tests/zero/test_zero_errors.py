@@ -174,6 +174,7 @@ def _stuck_rank(rank: int, world_size: int, where: str) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "where, collective",
     [("backward", "reduce-scatter of gradient bucket 0"), ("step", "all-gather of the updated parameters of bucket")],

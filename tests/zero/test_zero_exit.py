@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent(
@@ -36,6 +38,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_ranks_with_a_sharded_optimizer_exit_without_an_abort(tmp_path):
     script = tmp_path / "zero_exit.py"
     script.write_text(SCRIPT)

@@ -41,6 +41,7 @@ def _rank(rank: int, world_size: int) -> dict:
     return wrong
 
 
+@pytest.mark.slow
 def test_the_model_of_gloos_ring_matches_the_installed_gloo_at_three_ranks():
     results = spawn(_rank, 3, timeout=600)
     for rank, wrong in enumerate(results):

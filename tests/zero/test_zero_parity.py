@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from selection import selected_params
 
 from fastpar.launcher import spawn
 
@@ -56,11 +57,13 @@ COLLECTIVE = {"mlp_adamw_collective": ("mlp", "adamw", {"exchange": "collective"
 # a parameter no rank used has no gradient and is not stepped, as torch's optimizer skips it
 EXACT["never_used_sgd_find_unused"] = ("never_used", "sgd", {"ddp_args": {"find_unused_parameters": True}}, "torch")
 CASES = {**EXACT, **FUSED_CLIP, **COLLECTIVE}
+# the default suite's exact cases (the rest are marked slow and run with --full)
+FAST_EXACT = ("mlp_adamw", "cnn_sgd", "tied_adamw", "mlp_sgd_clip", "mlp_adamw_no_sync_accumulation")
 SGD_CLIP_ATOL, NORM_RTOL = 1e-6, 1e-6  # measured here: 1.5e-8 and one ulp (6e-8 rel)
 COLLECTIVE_ATOL = 1e-6
 
 
-def _rank(rank: int, world_size: int) -> dict:
+def _rank(rank: int, world_size: int, names: tuple[str, ...] = ()) -> dict:
     import sys
     import warnings
 
@@ -71,6 +74,8 @@ def _rank(rank: int, world_size: int) -> dict:
     references: dict = {}
     outcome = {}
     for name, (kind, opt, args, reference_impl) in CASES.items():
+        if names and name not in names:
+            continue
         build_args = {k: v for k, v in args.items() if k not in ("exchange", "overlap", "exact_clip")}
         if reference_impl == "torch":
             build_args.pop("grad_dtype", None)
@@ -104,12 +109,12 @@ def _no_error(results: list[dict], case: str) -> None:
         assert "error" not in outcome[case], f"rank {rank}: {outcome[case].get('error')}"
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=["2ranks", "3ranks"])
 def ranks(request):
-    return request.param, spawn(_rank, request.param, timeout=900)
+    return request.param, spawn(_rank, request.param, selected_params(request, "case"), timeout=900)
 
 
-@pytest.mark.parametrize("case", list(EXACT))
+@pytest.mark.parametrize("case", [c if c in FAST_EXACT else pytest.param(c, marks=pytest.mark.slow) for c in EXACT])
 def test_bit_identical_to_ddp_with_the_unsharded_optimizer(ranks, case):
     _, results = ranks
     _no_error(results, case)

@@ -9,6 +9,8 @@ import torch
 
 from fastpar.launcher import spawn
 
+pytestmark = pytest.mark.slow  # spawned ranks save, reload and continue on 2 and 3 ranks: run with --full
+
 KIND, OPT = "cnn", "adamw"
 BUILD = {"groups": "no_decay_bias", "channels_last": True}  # two param groups; channels_last (strided) state
 
