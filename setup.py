@@ -62,12 +62,16 @@ def _extensions():
             "and set CUDA_HOME to the toolkit folder whose include/ holds cuda_runtime_api.h."
         )
     if "pip-build-env" in torch.__file__:
-        _say(f"building against pip's isolated torch {torch.__version__}, not the torch you run; if they differ "
-             "fastpar's loader falls back to a JIT build or the torch ops. Build with `pip install --no-build-isolation ...` to link yours")
+        _say(
+            f"building against pip's isolated torch {torch.__version__}, not the torch you run; if they differ "
+            "fastpar's loader falls back to a JIT build or the torch ops. Build with `pip install --no-build-isolation ...` to link yours"
+        )
     if with_cuda and (archs := build.default_cuda_archs(torch)) is not None:
         os.environ["TORCH_CUDA_ARCH_LIST"] = archs
-        _say(f"no GPU visible and TORCH_CUDA_ARCH_LIST unset: building the CUDA kernels for {archs} "
-             "(torch's own targets; set TORCH_CUDA_ARCH_LIST to choose, or FASTPAR_CUDA=0 for the CPU build)")
+        _say(
+            f"no GPU visible and TORCH_CUDA_ARCH_LIST unset: building the CUDA kernels for {archs} "
+            "(torch's own targets; set TORCH_CUDA_ARCH_LIST to choose, or FASTPAR_CUDA=0 for the CPU build)"
+        )
     cfg = build.config(CSRC, torch, with_cuda)
     sources = [str(p.relative_to(ROOT)) for p in cfg.sources]
     if with_cuda:

@@ -23,6 +23,10 @@ def train(rank: int, world_size: int) -> dict:
 if __name__ == "__main__":
     stats = spawn(train, 2)[0]  # rank 0's view; every rank decided the same
     auto = stats["auto"]
-    print(f"bucket_cap_mb='auto': {auto['phase']}; chose {auto['chosen']}, kept {auto['kept']}, {auto['buckets']} buckets")
+    print(
+        f"bucket_cap_mb='auto': {auto['phase']}; chose {auto['chosen']}, kept {auto['kept']}, {auto['buckets']} buckets"
+    )
     print("predicted sync per step (ms):", {k: round(v, 1) for k, v in auto["predicted_ms"].items()})
-    print(f"last step: {stats['collectives']} collectives, {stats['finished_early']} bucket(s) finished during backward")
+    print(
+        f"last step: {stats['collectives']} collectives, {stats['finished_early']} bucket(s) finished during backward"
+    )

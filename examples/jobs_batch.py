@@ -29,7 +29,13 @@ if __name__ == "__main__":
     args = p.parse_args()
     # one node: the script picks its own environment (2 CPU processes here); several: torchrun agents, one a node
     script_args = ["--environment", "cpu", "--devices", "2"] if args.nodes == 1 else ["--environment", "cluster"]
-    job = fastpar.batch(SCRIPT, *script_args, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                        cluster=args.cluster, name="classifier",
-                        resources={"timeout_min": 60, **({"slurm_partition": args.partition} if args.partition else {})})
+    job = fastpar.batch(
+        SCRIPT,
+        *script_args,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        cluster=args.cluster,
+        name="classifier",
+        resources={"timeout_min": 60, **({"slurm_partition": args.partition} if args.partition else {})},
+    )
     print(job.id)

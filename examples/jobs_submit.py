@@ -22,10 +22,18 @@ def train(epochs: int) -> fastpar.train.TrainingResult:
     x = torch.randn(2048, 20, generator=g)
     y = (x[:, :2] > 0).long() @ torch.tensor([1, 2])
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
-    options = fastpar.TrainingOptions(execution_environment="cpu", devices=1, max_epochs=epochs, batch_size=64,
-                                      log_every=8, output_dir=str(jobs.job_dir()), progress_bar=False)  # fmt: skip
-    return fastpar.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, (x, y),
-                           options=options).fit()  # fmt: skip
+    options = fastpar.TrainingOptions(
+        execution_environment="cpu",
+        devices=1,
+        max_epochs=epochs,
+        batch_size=64,
+        log_every=8,
+        output_dir=str(jobs.job_dir()),
+        progress_bar=False,
+    )
+    return fastpar.Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), nn.functional.cross_entropy, (x, y), options=options
+    ).fit()
 
 
 if __name__ == "__main__":

@@ -32,12 +32,16 @@ def train(config: dict) -> fastpar.train.TrainingResult:
     torch.manual_seed(0)  # the same initial weights whenever this trial runs
     model = nn.Sequential(nn.Linear(20, config["width"]), nn.ReLU(), nn.Linear(config["width"], 4))
     options = fastpar.TrainingOptions(
-        max_epochs=4, batch_size=64, validation_data=make_data(512, seed=1),
+        max_epochs=4,
+        batch_size=64,
+        validation_data=make_data(512, seed=1),
         output_dir=str(jobs.job_dir()),  # the trial's own folder: metrics.jsonl next to its logs
-        progress_bar=False)  # fmt: skip
+        progress_bar=False,
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"])
-    return fastpar.Trainer(model, optimizer, nn.functional.cross_entropy, make_data(2048, seed=0),
-                           options=options).fit()  # fmt: skip
+    return fastpar.Trainer(
+        model, optimizer, nn.functional.cross_entropy, make_data(2048, seed=0), options=options
+    ).fit()
 
 
 if __name__ == "__main__":
@@ -46,8 +50,13 @@ if __name__ == "__main__":
     p.add_argument("--partition", help="Slurm partition")
     args = p.parse_args()
     configs = [{"lr": lr, "width": width} for lr in (3e-3, 3e-2) for width in (16, 64)]
-    result = fastpar.sweep(train, configs, folder="runs/sweep", cluster=args.cluster,
-                           resources={"slurm_partition": args.partition} if args.partition else None)  # fmt: skip
+    result = fastpar.sweep(
+        train,
+        configs,
+        folder="runs/sweep",
+        cluster=args.cluster,
+        resources={"slurm_partition": args.partition} if args.partition else None,
+    )
     table = result.table  # a pandas DataFrame when pandas is installed, else the list of records
     print(table[["lr", "width", "state", "val_loss", "val_accuracy"]] if hasattr(table, "columns") else table)
     print(f"best trial by {result.metric}: {result.best}")

@@ -57,8 +57,9 @@ def main() -> None:
         checkpoint_every=50,
         resume=True,  # rerunning continues from the newest checkpoint
     )
-    trainer = fastpar.Trainer(make_model, make_optimizer, nn.functional.cross_entropy, make_data(8192, 0),
-                              options=options)  # fmt: skip
+    trainer = fastpar.Trainer(
+        make_model, make_optimizer, nn.functional.cross_entropy, make_data(8192, 0), options=options
+    )
     result = trainer.fit()
     if result.model is not None:  # rank 0 (the other ranks of a torchrun job get None)
         print(f"validation accuracy {result.last('val_accuracy'):.3f} after {result.steps} steps")

@@ -27,9 +27,12 @@ WIDTH, CLASSES, FEATURES = 512, 10, 256
 
 def make_model() -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Linear(FEATURES, WIDTH), torch.nn.ReLU(), torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU(),
+        torch.nn.Linear(FEATURES, WIDTH),
+        torch.nn.ReLU(),
+        torch.nn.Linear(WIDTH, WIDTH),
+        torch.nn.ReLU(),
         torch.nn.Linear(WIDTH, CLASSES),
-    )  # fmt: skip
+    )
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
@@ -70,8 +73,16 @@ def _trainer(data, batch_size: int, steps: int, log_every: int) -> float:
     if steps % per_epoch:
         raise ValueError(f"steps must be a multiple of the {per_epoch} steps per epoch")
     with tempfile.TemporaryDirectory() as out:
-        opts = TrainingOptions(max_epochs=steps // per_epoch, batch_size=batch_size, execution_environment="cpu",
-                               devices=2, ddp="torch", log_every=log_every, progress_bar=False, output_dir=out)  # fmt: skip
+        opts = TrainingOptions(
+            max_epochs=steps // per_epoch,
+            batch_size=batch_size,
+            execution_environment="cpu",
+            devices=2,
+            ddp="torch",
+            log_every=log_every,
+            progress_bar=False,
+            output_dir=out,
+        )
         result = Trainer(make_model, make_optimizer, torch.nn.functional.cross_entropy, data, options=opts).fit()
     return result.elapsed / result.steps
 

@@ -15,8 +15,9 @@ class Unpicklable(Exception):
         self.culprit, self.error = culprit, error
 
 
-def dumps_naming_culprit(whole: Any, parts: Iterable[tuple[str, Any]], *, default: str,
-                         dumps: Callable[[Any], bytes] = pickle.dumps) -> bytes:  # fmt: skip
+def dumps_naming_culprit(
+    whole: Any, parts: Iterable[tuple[str, Any]], *, default: str, dumps: Callable[[Any], bytes] = pickle.dumps
+) -> bytes:
     """``dumps(whole)``; on failure raise :class:`Unpicklable` naming the first of ``parts`` that fails on
     its own (``default`` when each part pickles alone)."""
     try:

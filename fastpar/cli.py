@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _interrupted_line(said: str) -> str:
-    """"interrupted", with what the interrupted code said about it (which may begin with the word itself)."""
+    """ "interrupted", with what the interrupted code said about it (which may begin with the word itself)."""
     said = " ".join(said.split())
     if not said:
         return "interrupted"

@@ -112,24 +112,29 @@ def _kernels_line(ext: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fastpar info", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print the facts as one JSON object")
-    parser.add_argument("--no-probe", action="store_true",
-                        help="answer at once: versions and GPUs without importing torch or loading the kernels")  # fmt: skip
+    parser.add_argument(
+        "--no-probe",
+        action="store_true",
+        help="answer at once: versions and GPUs without importing torch or loading the kernels",
+    )
     args = parser.parse_args(argv)
     facts = collect_without_probe() if args.no_probe else collect()
     if args.json:
         print(json.dumps(facts, indent=2))
         return 0
     if args.no_probe:
-        _print_rows([
-            ("fastpar", facts["fastpar"]),
-            ("python", f"{facts['python']} on {facts['platform']}"),
-            ("torch", facts["torch"] or "not installed"),
-            ("CUDA (torch build)", facts["torch_cuda"] or "none (CPU build)"),
-            ("GPUs (driver)", str(facts["gpus_driver"])),
-            ("DALI", facts["dali"] or "not installed (pip install 'fastpar[dali]')"),
-            ("NVML (nvidia-ml-py)", facts["nvidia_ml_py"] or "not installed (pip install 'fastpar[nvml]')"),
-            ("kernels", "not probed (run 'fastpar info' to load torch and fastpar's kernels)"),
-        ])  # fmt: skip
+        _print_rows(
+            [
+                ("fastpar", facts["fastpar"]),
+                ("python", f"{facts['python']} on {facts['platform']}"),
+                ("torch", facts["torch"] or "not installed"),
+                ("CUDA (torch build)", facts["torch_cuda"] or "none (CPU build)"),
+                ("GPUs (driver)", str(facts["gpus_driver"])),
+                ("DALI", facts["dali"] or "not installed (pip install 'fastpar[dali]')"),
+                ("NVML (nvidia-ml-py)", facts["nvidia_ml_py"] or "not installed (pip install 'fastpar[nvml]')"),
+                ("kernels", "not probed (run 'fastpar info' to load torch and fastpar's kernels)"),
+            ]
+        )
         return 0
     ext = facts["extension"]
     rows = [

@@ -71,8 +71,15 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def join_process_group(backend: str, *, rank: int, world_size: int, timeout_s: float = COLLECTIVE_TIMEOUT_S,
-                       init_method: str | None = None, device: torch.device | None = None) -> None:  # fmt: skip
+def join_process_group(
+    backend: str,
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    init_method: str | None = None,
+    device: torch.device | None = None,
+) -> None:
     """Create the default process group as ``rank`` of ``world_size``.
 
     ``init_method`` (``tcp://127.0.0.1:PORT``) for ranks this launcher spawned; None reads torchrun's
@@ -81,18 +88,21 @@ def join_process_group(backend: str, *, rank: int, world_size: int, timeout_s: f
     timeout = datetime.timedelta(seconds=timeout_s)
     device_id = device if device is not None and device.type == "cuda" else None
     if init_method is not None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                timeout=timeout, device_id=device_id)  # fmt: skip
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
+        )
         return
     # The elastic agent keeps one TCPStore for all restart rounds and workers connect without a prefix, so
     # a restarted group could read the dead workers' addresses (gloo: "connectFullMesh failed ...
     # Connection refused"). A per-round prefix keeps every round's keys apart.
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                is_master=False, timeout=timeout)  # fmt: skip
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
     store = dist.PrefixStore(f"fastpar/attempt_{attempt}", agent_store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=device_id)  # fmt: skip
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
+    )
 
 
 # --- spawn: N processes, every rank's value back ----------------------------------------------------
@@ -103,8 +113,9 @@ def _spawned_rank(rank, world_size, port, backend, threads, pg_timeout, fn, args
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         if backend is not None:
-            join_process_group(backend, rank=rank, world_size=world_size, timeout_s=pg_timeout,
-                               init_method=f"tcp://{LOOPBACK}:{port}")  # fmt: skip
+            join_process_group(
+                backend, rank=rank, world_size=world_size, timeout_s=pg_timeout, init_method=f"tcp://{LOOPBACK}:{port}"
+            )
         # plain pickle bytes: torch's queue reductions would share tensors through file descriptors that
         # die with this process before the parent reads them
         value = pickle.dumps(fn(rank, world_size, *args))
@@ -137,7 +148,9 @@ def spawn(
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_spawned_rank, args=(rank, world_size, port, backend, threads, pg_timeout, fn, args, results))
+        ctx.Process(
+            target=_spawned_rank, args=(rank, world_size, port, backend, threads, pg_timeout, fn, args, results)
+        )
         for rank in range(world_size)
     ]
     for p in procs:

@@ -26,7 +26,9 @@ ROOT = Path(__file__).resolve().parent.parent
 _FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.M | re.S)
 _INLINE = re.compile(r"`([^`\n]+)`")
 # pip install ... <the checkout or the name fastpar>, with or without extras and quotes
-_INSTALLS_FASTPAR = re.compile(r"pip install\b[^&|;]*?(?:\s-e\s+|\s)['\"]?(?:\.|fastpar)(?:\[[^\]]*\])?['\"]?(?=\s|$|&|;)")
+_INSTALLS_FASTPAR = re.compile(
+    r"pip install\b[^&|;]*?(?:\s-e\s+|\s)['\"]?(?:\.|fastpar)(?:\[[^\]]*\])?['\"]?(?=\s|$|&|;)"
+)
 
 
 def install_lines(readme: str) -> list[str]:

@@ -117,8 +117,13 @@ def test_which_exceptions_are_user_errors(tmp_path):
 
 def test_shell_sees_one_line_and_status_2():
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-m", "fastpar", "demo", "--devices", "0"], capture_output=True,
-                          text=True, env=env, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "fastpar", "demo", "--devices", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
         "fastpar demo: error: argument --devices: must be at least 1, got 0 (see 'fastpar demo --help')"
@@ -203,11 +208,13 @@ def test_help_texts_carry_no_issue_numbers(capsys):
     "raised, expected",
     [
         (KeyboardInterrupt(), "fastpar fake: interrupted"),
-        (KeyboardInterrupt("interrupted; the worker processes were stopped"),
-         "fastpar fake: interrupted; the worker processes were stopped"),
+        (
+            KeyboardInterrupt("interrupted; the worker processes were stopped"),
+            "fastpar fake: interrupted; the worker processes were stopped",
+        ),
         (KeyboardInterrupt("the checkpoint was saved"), "fastpar fake: interrupted (the checkpoint was saved)"),
     ],
-)  # fmt: skip
+)
 def test_ctrl_c_says_interrupted_once(monkeypatch, capsys, raised, expected):
     _fake_command(monkeypatch, raised)
     code, err = run_cli(["fake"], capsys)

@@ -46,17 +46,31 @@ def import_seconds(importtime_lines: list[str]) -> tuple[float, list[tuple[float
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["jobs", "--help"], ["jobs", "list"], ["topo", "--from", str(TOPO)], ["info", "--no-probe"],
-     ["info", "--no-probe", "--json"]],
+    [
+        ["--help"],
+        ["jobs", "--help"],
+        ["jobs", "list"],
+        ["topo", "--from", str(TOPO)],
+        ["info", "--no-probe"],
+        ["info", "--no-probe", "--json"],
+    ],
     ids=" ".join,
-)  # fmt: skip
+)
 def test_command_does_not_import_torch_and_fits_the_import_budget(argv, tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "FASTPAR_JOBS_DIR": str(tmp_path / "jobs")}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "FASTPAR_JOBS_DIR": str(tmp_path / "jobs"),
+    }
     runs = []
     for _ in range(TRIES):
-        done = subprocess.run([sys.executable, "-X", "importtime", "-c", PROBE.format(heavy=HEAVY), *argv],
-                              capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-X", "importtime", "-c", PROBE.format(heavy=HEAVY), *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         lines = done.stderr.splitlines()
         assert done.returncode == 0, "\n".join(line for line in lines if not line.startswith("import time:"))
         heavy = next(line for line in lines if line.startswith("HEAVY")).split()[1:]
@@ -65,13 +79,16 @@ def test_command_does_not_import_torch_and_fits_the_import_budget(argv, tmp_path
         if runs[-1][0] <= BUDGET_S:
             return
     seconds, slowest = min(runs)
-    assert seconds <= BUDGET_S, f"imports took {seconds:.2f} s at best of {TRIES} (budget {BUDGET_S} s); slowest: {slowest}"
+    assert seconds <= BUDGET_S, (
+        f"imports took {seconds:.2f} s at best of {TRIES} (budget {BUDGET_S} s); slowest: {slowest}"
+    )
 
 
 def test_the_budget_sees_a_torch_import():
     """The measure is real: importing torch alone is over the budget here (so a torch import can't hide)."""
-    done = subprocess.run([sys.executable, "-X", "importtime", "-c", "import torch"], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import torch"], capture_output=True, text=True, timeout=300
+    )
     seconds, slowest = import_seconds(done.stderr.splitlines())
     assert seconds > BUDGET_S and any(name.startswith("torch") for _, name in slowest), slowest
 
@@ -91,12 +108,19 @@ def test_a_wrong_kernel_setting_is_an_error_not_ignored(capsys, monkeypatch):
 @pytest.mark.parametrize("order", ["import fastpar, torch", "import torch, fastpar"])
 def test_the_fastpar_backend_is_registered_whichever_is_imported_first(order):
     """``import fastpar`` leaves torch alone, yet init_process_group("fastpar") works after either order."""
-    check = (f"import sys; {order}; import torch.distributed as dist; "
-             "assert 'fastpar' in dist.Backend.backend_list, dist.Backend.backend_list; "
-             "assert torch.__loader__.__class__.__module__ != 'fastpar._after_import'; print('ok')")  # fmt: skip
+    check = (
+        f"import sys; {order}; import torch.distributed as dist; "
+        "assert 'fastpar' in dist.Backend.backend_list, dist.Backend.backend_list; "
+        "assert torch.__loader__.__class__.__module__ != 'fastpar._after_import'; print('ok')"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
-    lazy = subprocess.run([sys.executable, "-c", "import sys, fastpar; print('torch' in sys.modules)"],
-                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    lazy = subprocess.run(
+        [sys.executable, "-c", "import sys, fastpar; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert lazy.stdout.strip() == "False", lazy.stderr

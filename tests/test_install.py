@@ -39,7 +39,12 @@ def _fake_torch(gpus: int, archs: list[str]) -> types.SimpleNamespace:
 @pytest.mark.parametrize(
     "gpus, archs, environ, expected",
     [
-        (0, ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"], {}, "7.5;8.0;8.6;9.0;10.0;12.0+PTX"),
+        (
+            0,
+            ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"],
+            {},
+            "7.5;8.0;8.6;9.0;10.0;12.0+PTX",
+        ),
         (0, [], {}, build.FALLBACK_CUDA_ARCHS),  # torch doesn't say: the stated default
         (0, ["sm_80"], {"TORCH_CUDA_ARCH_LIST": "9.0"}, None),  # the user's choice stands
         (1, ["sm_80", "sm_90"], {}, None),  # a GPU is visible: torch builds for it
@@ -85,10 +90,16 @@ pip install numpy
 Extras: `pip install -e '.[jobs]'` or `pip install 'fastpar[s3]'`.
 """
     lines = readme_check.install_lines(text)
-    assert lines == ["python3 -m venv .venv && pip install torch && pip install --no-build-isolation -e .",
-                     "pip install -e '.[jobs]'", "pip install 'fastpar[s3]'"]  # fmt: skip
+    assert lines == [
+        "python3 -m venv .venv && pip install torch && pip install --no-build-isolation -e .",
+        "pip install -e '.[jobs]'",
+        "pip install 'fastpar[s3]'",
+    ]
     assert [readme_check.problems(line) for line in lines] == [
-        [], ["builds with isolation (add --no-build-isolation)"],
-        ["builds with isolation (add --no-build-isolation)",
-         "installs the name fastpar from the package index, not this checkout (use . or '.[extra]')"],
-    ]  # fmt: skip
+        [],
+        ["builds with isolation (add --no-build-isolation)"],
+        [
+            "builds with isolation (add --no-build-isolation)",
+            "installs the name fastpar from the package index, not this checkout (use . or '.[extra]')",
+        ],
+    ]

@@ -112,28 +112,63 @@ def build_parser(name: str, module: ModuleType) -> argparse.ArgumentParser:
         shared.add_argument(*flags, default=None, **kwargs)
 
     sweep = "sizes" in uses
-    # fmt: off
-    add("-b", "--minbytes", dest="min_bytes", metavar="SIZE", applies=sweep,
-        help=f"smallest size in bytes, K/M/G suffixes allowed (default {defaults['min_bytes']})")
-    add("-e", "--maxbytes", dest="max_bytes", metavar="SIZE", applies=sweep,
-        help=f"largest size in bytes (default {defaults['max_bytes']})")
-    add("-f", "--stepfactor", dest="factor", metavar="F", type=int, applies=sweep,
-        help=f"multiply the size by F each step (default {defaults['factor']})")
+    add(
+        "-b",
+        "--minbytes",
+        dest="min_bytes",
+        metavar="SIZE",
+        applies=sweep,
+        help=f"smallest size in bytes, K/M/G suffixes allowed (default {defaults['min_bytes']})",
+    )
+    add(
+        "-e",
+        "--maxbytes",
+        dest="max_bytes",
+        metavar="SIZE",
+        applies=sweep,
+        help=f"largest size in bytes (default {defaults['max_bytes']})",
+    )
+    add(
+        "-f",
+        "--stepfactor",
+        dest="factor",
+        metavar="F",
+        type=int,
+        applies=sweep,
+        help=f"multiply the size by F each step (default {defaults['factor']})",
+    )
     add("-n", "--iters", metavar="N", type=int, help=f"timed calls per round (default {defaults['iters']})")
-    add("-w", "--warmup", metavar="N", type=int, help=f"untimed warm-up calls per variant (default {defaults['warmup']})")
-    add("--rounds", metavar="N", type=int,
-        help=f"interleaved rounds; the time reported is their median (default {defaults['rounds']})")
+    add(
+        "-w",
+        "--warmup",
+        metavar="N",
+        type=int,
+        help=f"untimed warm-up calls per variant (default {defaults['warmup']})",
+    )
+    add(
+        "--rounds",
+        metavar="N",
+        type=int,
+        help=f"interleaved rounds; the time reported is their median (default {defaults['rounds']})",
+    )
     choices = getattr(module, "DTYPE_CHOICES", None)
     dtypes = f": {', '.join(dtype_name(d) for d in choices)}" if choices else ""
     add("--dtype", applies="dtype" in uses, help=f"element type{dtypes} (default {defaults['dtype']})")
-    add("--nproc", metavar="N", type=int, applies="nproc" in uses,
-        help="local ranks to spawn (default: one per GPU, else 2); under torchrun the launched ranks run")
-    add("--backend", applies="nproc" in uses,
-        help="auto (NCCL on GPUs, else gloo), gloo, nccl or fastpar (shared memory, timed next to gloo) (default auto)")
+    add(
+        "--nproc",
+        metavar="N",
+        type=int,
+        applies="nproc" in uses,
+        help="local ranks to spawn (default: one per GPU, else 2); under torchrun the launched ranks run",
+    )
+    add(
+        "--backend",
+        applies="nproc" in uses,
+        help="auto (NCCL on GPUs, else gloo), gloo, nccl or fastpar (shared memory, timed next to gloo) (default auto)",
+    )
     add("--threads", metavar="N", type=int, help="torch threads per process (default 1)")
     add("--json", metavar="FILE", help="also write the results as JSON")
     add("--plot", metavar="FILE", help="also draw the results into a PNG (needs matplotlib)")
-    # fmt: on
     module.add_arguments(parser)
     return parser
 
@@ -194,7 +229,9 @@ def check_writable(path_text: str, flag: str, directory: bool) -> None:
         raise BenchUsageError(f"{flag} {path_text}: is a directory; name a file")
     folder = path if directory else path.parent
     if not directory and not folder.is_dir():
-        raise BenchUsageError(f"{flag} {path_text}: folder {folder} does not exist; create it first (mkdir -p {folder})")
+        raise BenchUsageError(
+            f"{flag} {path_text}: folder {folder} does not exist; create it first (mkdir -p {folder})"
+        )
     try:
         if not folder.exists():
             folder.mkdir(parents=True)

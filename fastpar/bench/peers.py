@@ -30,9 +30,12 @@ def _resolve(factory: str) -> Callable[..., Callable[[], object]]:
 def _init(rank: int, world_size: int, port: int) -> None:
     os.environ.update(loopback_env(port, rank, world_size))
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=datetime.timedelta(seconds=120),
-    )  # fmt: skip
+    )
 
 
 def _peer(rank: int, world_size: int, port: int, factory: str, args: tuple, calls: int) -> None:

@@ -167,8 +167,9 @@ def _create_backend(opts, backend_options=None):
     reason = _rendezvous(backend, ext, store, f"{_KEY}{generation}/", rank, size, str(opts.group_id))
     if reason and rank == 0:
         expected = "span" in reason or "FASTPAR_SHM=0" in reason
-        (_log.info if expected else _log.warning)("fastpar backend, group %s: gloo for all collectives: %s",
-                                                  opts.group_id, reason)  # fmt: skip
+        (_log.info if expected else _log.warning)(
+            "fastpar backend, group %s: gloo for all collectives: %s", opts.group_id, reason
+        )
     return backend
 
 

@@ -77,8 +77,10 @@ def torch_layout(timeline: StepTimeline, bucket_cap_mb: float, first_bucket_byte
     cap = int(bucket_cap_mb * MB)
     caps = [min(first_bucket_bytes, cap), cap]
     try:  # torch's own function, on shape-only (meta) tensors: its order of the leftover buckets included
-        tensors = [torch.empty(g.nbytes // _itemsize(g.dtype), dtype=getattr(torch, g.dtype), device="meta")
-                   for g in timeline.grads]  # fmt: skip
+        tensors = [
+            torch.empty(g.nbytes // _itemsize(g.dtype), dtype=getattr(torch, g.dtype), device="meta")
+            for g in timeline.grads
+        ]
         order = [g.index for g in timeline.grads]
         buckets, _ = dist._compute_bucket_assignment_by_size(tensors, caps, [False] * len(tensors), order)
         return [list(b) for b in buckets]

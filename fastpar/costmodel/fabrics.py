@@ -19,8 +19,9 @@ LATENCY_US = {"nvlink": 3.4, "pcie": 5.7, "net": 9.6}  # NCCL tuning.cc hwLat, r
 NCCL_BASE_LATENCY_US = 8.4  # NCCL tuning.cc baseLat, ring / Simple
 
 
-def _fabric(name: str, gpus: int, intra_peak_gbs: float, intra: str, inter_peak_gbs: float | None,
-            sources: tuple[str, ...]) -> Fabric:  # fmt: skip
+def _fabric(
+    name: str, gpus: int, intra_peak_gbs: float, intra: str, inter_peak_gbs: float | None, sources: tuple[str, ...]
+) -> Fabric:
     inter = None
     if inter_peak_gbs is not None:
         inter = Link(inter_peak_gbs * LINK_EFFICIENCY, LATENCY_US["net"])
@@ -150,8 +151,9 @@ def load_topology(path: str):
     return parse_topo_matrix(text, source=f"nvidia-smi topo -m: {path}")
 
 
-def with_overrides(fabric: Fabric, *, intra_gbs: float | None = None, inter_gbps: float | None = None,
-                   gpus_per_node: int | None = None) -> Fabric:  # fmt: skip
+def with_overrides(
+    fabric: Fabric, *, intra_gbs: float | None = None, inter_gbps: float | None = None, gpus_per_node: int | None = None
+) -> Fabric:
     """``fabric`` with given numbers in place of modelled ones: ``intra_gbs`` is a measured intra-node busbw
     (``fastpar bench allreduce`` on one node), used as it is; ``inter_gbps`` a node's network speed in Gb/s
     (all its NICs), a peak like the presets', so it gets :data:`LINK_EFFICIENCY` too."""

@@ -107,8 +107,9 @@ class Profile:
         fabric = self.fitted_fabric(op)
         return lambda nbytes: collective_seconds(op, nbytes, world_size, fabric)
 
-    def sync_costs(self, reducer: str = "torch", *, comm_bytes_per_byte: float = 1.0,
-                   contention: bool = True) -> SyncCosts:  # fmt: skip
+    def sync_costs(
+        self, reducer: str = "torch", *, comm_bytes_per_byte: float = 1.0, contention: bool = True
+    ) -> SyncCosts:
         """Per-byte pack/unpack costs of ``reducer`` (one of :data:`REDUCERS`) and this profile's contention."""
         if reducer not in REDUCERS:
             raise ValueError(f"unknown reducer {reducer!r}; choose one of {', '.join(REDUCERS)}")

@@ -156,8 +156,10 @@ def dali_should_read(source: LocalFiles | ObjectFiles, storage: StoreOptions) ->
     if storage.endpoint_url and storage.endpoint_url != os.environ.get("AWS_ENDPOINT_URL"):
         why_not.append("it takes the endpoint from AWS_ENDPOINT_URL only; set that instead of endpoint_url=")
     if _dali_endpoint and _dali_endpoint[0] != os.environ.get("AWS_ENDPOINT_URL"):
-        why_not.append(f"it already talks to {_dali_endpoint[0] or 'AWS'} in this process (DALI reads AWS_ENDPOINT_URL "
-                       f"once), and AWS_ENDPOINT_URL is now {os.environ.get('AWS_ENDPOINT_URL') or 'unset'}")  # fmt: skip
+        why_not.append(
+            f"it already talks to {_dali_endpoint[0] or 'AWS'} in this process (DALI reads AWS_ENDPOINT_URL "
+            f"once), and AWS_ENDPOINT_URL is now {os.environ.get('AWS_ENDPOINT_URL') or 'unset'}"
+        )
     if storage.anonymous:
         why_not.append("it cannot send anonymous requests")
     if not dali_reads_s3():

@@ -241,8 +241,14 @@ def image_loader(
         raise ValueError(f"size must be a positive number of pixels, got {size}")
     rank, world_size = resolve_rank(rank, world_size)
     storage = dataclasses.replace(storage or StoreOptions(), **({"endpoint_url": endpoint_url} if endpoint_url else {}))
-    folder, source = open_image_source(root, strict=strict, world_size=world_size, cache_dir=cache_dir,
-                                       cache_max_bytes=cache_max_bytes, storage=storage)  # fmt: skip
+    folder, source = open_image_source(
+        root,
+        strict=strict,
+        world_size=world_size,
+        cache_dir=cache_dir,
+        cache_max_bytes=cache_max_bytes,
+        storage=storage,
+    )
     spec = ShardSpec(len(folder), batch_size, rank, world_size, seed, train if shuffle is None else shuffle, last_batch)
     device = resolve_device(device)
     threads = default_num_threads() if num_threads is None else num_threads

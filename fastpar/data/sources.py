@@ -50,8 +50,9 @@ class ObjectFiles:
     and threads on first use (neither survives a fork).
     """
 
-    def __init__(self, folder: ObjectImageFolder, store: S3Store | FsspecStore, cache: ObjectCache | None,
-                 options: StoreOptions):  # fmt: skip
+    def __init__(
+        self, folder: ObjectImageFolder, store: S3Store | FsspecStore, cache: ObjectCache | None, options: StoreOptions
+    ):
         self.names, self.objects = folder.files, folder.objects
         self.store, self.cache, self.options = store, cache, options
         self._executor: ThreadPoolExecutor | None = None

@@ -59,8 +59,9 @@ def _random_colour(rng: np.random.Generator) -> np.ndarray:
     return np.asarray(colorsys.hsv_to_rgb(rng.uniform(), rng.uniform(0.5, 0.9), rng.uniform(0.6, 1.0))) * 255.0
 
 
-def _render(rng: np.random.Generator, colour: tuple[int, int, int], shape: str, w: int, h: int,
-            hard: bool = False) -> np.ndarray:  # fmt: skip
+def _render(
+    rng: np.random.Generator, colour: tuple[int, int, int], shape: str, w: int, h: int, hard: bool = False
+) -> np.ndarray:
     """One (H, W, 3) uint8 image of ``shape`` in ``colour`` on a tinted noisy background (``hard``: see above)."""
     base = np.asarray(colour, dtype=np.float32)
     grey = rng.uniform(70.0, 150.0)

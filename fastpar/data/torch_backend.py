@@ -21,8 +21,9 @@ from .transforms import CorruptImageError, load_transformed, normalize_batch
 class _BatchDecoder(torch.utils.data.Dataset):
     """Dataset whose items are planned batches: (epoch, sample indices, positions) -> decoded batch."""
 
-    def __init__(self, source: LocalFiles | ObjectFiles, labels: np.ndarray, size: int, train: bool, seed: int,
-                 skip: bool):  # fmt: skip
+    def __init__(
+        self, source: LocalFiles | ObjectFiles, labels: np.ndarray, size: int, train: bool, seed: int, skip: bool
+    ):
         self.source, self.labels, self.size, self.train, self.seed, self.skip = source, labels, size, train, seed, skip
 
     def __getitem__(

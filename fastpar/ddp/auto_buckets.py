@@ -273,18 +273,23 @@ class AutoBuckets:
 def _plan(slots, ready, backward_s, sync_s, pack, finish, comm_bytes, table, current) -> dict:
     """Rank 0's decision from the slowest ranks' measurements: the short list, and what it was based on."""
     grads = sorted(
-        (GradArrival(s.index, s.numel * s.param.element_size(), str(s.param.dtype).removeprefix("torch."),
-                     ready[s.index]) for s in slots),
+        (
+            GradArrival(
+                s.index, s.numel * s.param.element_size(), str(s.param.dtype).removeprefix("torch."), ready[s.index]
+            )
+            for s in slots
+        ),
         key=lambda g: (g.ready_s, g.index),
-    )  # fmt: skip
+    )
     timeline = StepTimeline(grads, max(backward_s, grads[-1].ready_s))
     grad_bytes = sum(g.nbytes for g in grads)
     costs = SyncCosts(pack_s_per_byte=pack, unpack_s_per_byte=finish, comm_bytes_per_byte=comm_bytes / grad_bytes)
     comm, costs, fit = fit_wire(timeline, current, table.seconds_at, costs, sync_s)
     slowed = 1.0 + costs.wire_slowdown
     contended = optimal_buckets(timeline, lambda n: comm(n) * slowed, replace(costs, wire_slowdown=0.0))
-    plan = plan_buckets(timeline, comm, costs, extra={"current layout": current,
-                                                      "optimal split, wire contended": contended})  # fmt: skip
+    plan = plan_buckets(
+        timeline, comm, costs, extra={"current layout": current, "optimal split, wire contended": contended}
+    )
     return {
         "trials": shortlist(plan, current),
         "chosen": plan.chosen,

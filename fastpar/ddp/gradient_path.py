@@ -164,9 +164,13 @@ def finish(bucket: Bucket, result: torch.Tensor | None, globally_unused: frozens
             continue
         grad = slot.param.grad
         if grad is None:  # torch's clone_obey_contract: the parameter's strides when dense
-            grad = torch.empty_strided(slot.param.size(), slot.param.stride(), dtype=slot.param.dtype,
-                                       device=slot.param.device) if slot.dense else torch.empty_like(
-                slot.param, memory_format=torch.contiguous_format)  # fmt: skip
+            grad = (
+                torch.empty_strided(
+                    slot.param.size(), slot.param.stride(), dtype=slot.param.dtype, device=slot.param.device
+                )
+                if slot.dense
+                else torch.empty_like(slot.param, memory_format=torch.contiguous_format)
+            )
             slot.param.grad = grad
         target = slot.grad_in_storage_order(grad)
         if target is None:

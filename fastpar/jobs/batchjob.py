@@ -48,8 +48,9 @@ def rendezvous_port(job_id: str) -> int:
 class NodeAgent:
     """One node's share of a multi-node job: a torchrun agent whose workers run the script or function."""
 
-    def __init__(self, target: Callable[..., Any] | str, args: tuple[Any, ...], nproc_per_node: int,
-                 port: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, target: Callable[..., Any] | str, args: tuple[Any, ...], nproc_per_node: int, port: int | None = None
+    ) -> None:
         self.target, self.args, self.nproc_per_node, self.port = target, args, nproc_per_node, port
 
     def rendezvous(self) -> tuple[int, str, str]:
@@ -67,13 +68,22 @@ class NodeAgent:
             entrypoint, args = sys.executable, ("-u", self.target, *map(str, self.args))
         else:  # the workers unpack it themselves: a function from the submitting script needs cloudpickle
             entrypoint, args = call_packed, (pack_call(self.target, self.args),)
-        return launch_agent(entrypoint, args, nproc_per_node=self.nproc_per_node, nnodes=nodes,
-                            rdzv_endpoint=endpoint, run_id=run_id)  # fmt: skip
+        return launch_agent(
+            entrypoint, args, nproc_per_node=self.nproc_per_node, nnodes=nodes, rdzv_endpoint=endpoint, run_id=run_id
+        )
 
 
-def batch(script_or_fn: str | Path | Callable[..., Any], *args: Any, nodes: int = 1, gpus_per_node: int | None = None,
-          processes_per_node: int | None = None, cluster: str = "auto", name: str | None = None,
-          resources: Mapping[str, Any] | None = None, root: str | Path | None = None) -> JobFuture:  # fmt: skip
+def batch(
+    script_or_fn: str | Path | Callable[..., Any],
+    *args: Any,
+    nodes: int = 1,
+    gpus_per_node: int | None = None,
+    processes_per_node: int | None = None,
+    cluster: str = "auto",
+    name: str | None = None,
+    resources: Mapping[str, Any] | None = None,
+    root: str | Path | None = None,
+) -> JobFuture:
     """Submit a script (path to a ``.py`` file, run with ``args`` as its command line) or a function
     (called with ``args``) as a batch job on ``nodes`` nodes; return its future at once.
 
@@ -81,8 +91,11 @@ def batch(script_or_fn: str | Path | Callable[..., Any], *args: Any, nodes: int 
     ``slurm_partition``, ``slurm_account``, ...). The job survives this process: ``fastpar jobs`` lists it,
     shows its logs and result, and cancels it.
     """
-    for label, value, minimum in (("nodes", nodes, 1), ("gpus_per_node", gpus_per_node, 0),
-                                  ("processes_per_node", processes_per_node, 1)):  # fmt: skip
+    for label, value, minimum in (
+        ("nodes", nodes, 1),
+        ("gpus_per_node", gpus_per_node, 0),
+        ("processes_per_node", processes_per_node, 1),
+    ):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
             raise ValueError(f"{label} must be a whole number >= {minimum}, got {value!r}")
     if isinstance(script_or_fn, (str, Path)):
@@ -96,7 +109,9 @@ def batch(script_or_fn: str | Path | Callable[..., Any], *args: Any, nodes: int 
     else:
         raise TypeError(f"batch needs a script path or a function, got {type(script_or_fn).__name__}")
     cluster = resolve_cluster(cluster)
-    params = check_resources({**(resources or {}), **({} if gpus_per_node is None else {"gpus_per_node": gpus_per_node})})
+    params = check_resources(
+        {**(resources or {}), **({} if gpus_per_node is None else {"gpus_per_node": gpus_per_node})}
+    )
     gpus = params.get("gpus_per_node", 0)  # asked for: sets the workers per node
     if cluster == "local":
         fill_local_gpus(params, "fastpar.batch")
@@ -105,12 +120,15 @@ def batch(script_or_fn: str | Path | Callable[..., Any], *args: Any, nodes: int 
         agent = NodeAgent(target, args, processes_per_node or gpus or 1, free_port() if cluster == "local" else None)
         payload, result_from = pack_call(agent, ()), "rank0"
         # one agent per node; the local executor has one node, so it runs the N agents side by side there
-        params.update({"nodes": 1, "tasks_per_node": nodes} if cluster == "local" else {"nodes": nodes, "tasks_per_node": 1})
+        params.update(
+            {"nodes": 1, "tasks_per_node": nodes} if cluster == "local" else {"nodes": nodes, "tasks_per_node": 1}
+        )
     elif isinstance(target, str):
         payload, result_from = pack_call(run_script, (target, args)), "task0"
     else:
         payload, result_from = pack_call(target, args), "task0"
     what = describe(target) + (" " + " ".join(map(str, args)) if isinstance(target, str) and args else "")
     name = name or (Path(target).stem if isinstance(target, str) else getattr(target, "__name__", "batch"))
-    return start_job(payload, kind="batch", name=name, what=what, cluster=cluster, params=params, root=root,
-                     result_from=result_from)  # fmt: skip
+    return start_job(
+        payload, kind="batch", name=name, what=what, cluster=cluster, params=params, root=root, result_from=result_from
+    )

@@ -56,14 +56,27 @@ def bench_trial(config: dict[str, Any]) -> dict[str, Any]:
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
     width = config["width"]
     torch.manual_seed(config["seed"])  # the weights: a module passed to the Trainer is already initialised
-    model = torch.nn.Sequential(torch.nn.Linear(64, width), torch.nn.ReLU(), torch.nn.Linear(width, width),
-                                torch.nn.ReLU(), torch.nn.Linear(width, 3))  # fmt: skip
-    options = TrainingOptions(execution_environment="cpu", devices=1, max_epochs=1, batch_size=32,
-                              seed=config["seed"], progress_bar=False, log_every=50,
-                              output_dir=str(job_dir() or tempfile.mkdtemp(prefix="fastpar-bench-trial-")))  # fmt: skip
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, 3),
+    )
+    options = TrainingOptions(
+        execution_environment="cpu",
+        devices=1,
+        max_epochs=1,
+        batch_size=32,
+        seed=config["seed"],
+        progress_bar=False,
+        log_every=50,
+        output_dir=str(job_dir() or tempfile.mkdtemp(prefix="fastpar-bench-trial-")),
+    )
     start = time.perf_counter()
-    result = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), torch.nn.functional.cross_entropy, (x, y),
-                     options=options).fit()  # fmt: skip
+    result = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.01), torch.nn.functional.cross_entropy, (x, y), options=options
+    ).fit()
     return {"params": result.model.state_dict(), "train_s": time.perf_counter() - start, "steps": result.steps}
 
 
@@ -71,8 +84,16 @@ def _sweep(configs: list[dict], slots: int, root: Path) -> list[dict]:
     from . import sweep
 
     folder = Path(tempfile.mkdtemp(prefix="sweep-", dir=root))  # a fresh folder: nothing to resume
-    result = sweep(bench_trial, configs, folder=folder, cpus_per_trial=1, max_parallel=slots, cluster="local",
-                   live=False, plot=False)  # fmt: skip
+    result = sweep(
+        bench_trial,
+        configs,
+        folder=folder,
+        cpus_per_trial=1,
+        max_parallel=slots,
+        cluster="local",
+        live=False,
+        plot=False,
+    )
     if result.failed:
         raise WrongResultError(f"sweep trials failed: {[r['error'] for r in result.failed]}")
     return result.results
@@ -140,9 +161,14 @@ def _report(ctx: BenchContext, slots: int, trials: int, seconds: dict[str, float
     rows = [
         dict(variant="sequential", trials=2, slots=1, seconds=floor, vs_floor=1.0),
         dict(variant="sweep", trials=trials, slots=slots, seconds=seconds["sweep"], vs_floor=seconds["sweep"] / floor),
-        dict(variant="submitit", trials=trials, slots="-", seconds=seconds["submitit"],
-             vs_floor=seconds["submitit"] / floor),
-    ]  # fmt: skip
+        dict(
+            variant="submitit",
+            trials=trials,
+            slots="-",
+            seconds=seconds["submitit"],
+            vs_floor=seconds["submitit"] / floor,
+        ),
+    ]
     ratio = seconds["sweep"] / floor
     flag = beyond_floor("sweep", seconds["sweep"], floor, "sequential")
     return BenchReport(

@@ -60,16 +60,29 @@ def _list(args: argparse.Namespace) -> int:
     rows = [(r, JobFuture(r, watch=False).state()) for r in records]
     if args.json:
         for record, state in rows:
-            print(json.dumps({"id": record.id, "name": record.name, "kind": record.kind, "cluster": record.cluster,
-                              "state": state, "submitted": record.submitted, "what": record.what}))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "id": record.id,
+                        "name": record.name,
+                        "kind": record.kind,
+                        "cluster": record.cluster,
+                        "state": state,
+                        "submitted": record.submitted,
+                        "what": record.what,
+                    }
+                )
+            )
         return 0
     if not rows:
         print(f"no jobs in {jobs_root(args.dir)}")
         return 0
     print(f"{'id':<10}{'name':<18}{'kind':<7}{'cluster':<8}{'state':<11}{'submitted':<27}what")
     for record, state in rows:
-        print(f"{record.id:<10}{record.name[:17]:<18}{record.kind:<7}{record.cluster:<8}{state:<11}"
-              f"{record.submitted:<27}{record.what}")  # fmt: skip
+        print(
+            f"{record.id:<10}{record.name[:17]:<18}{record.kind:<7}{record.cluster:<8}{state:<11}"
+            f"{record.submitted:<27}{record.what}"
+        )
     return 0
 
 
@@ -97,10 +110,20 @@ def _run(args: argparse.Namespace) -> int:
     record = JobRecord.load(find_job(args.job, args.dir))
     future = JobFuture(record, watch=args.command == "result" and args.wait)
     if args.command == "status":
-        info = {"id": record.id, "name": record.name, "kind": record.kind, "state": future.state(),
-                "cluster": record.cluster, "cluster_job_id": record.cluster_job_id, "folder": record.folder,
-                "submitted": record.submitted, "what": record.what, "resources": record.resources,
-                "tasks": record.num_tasks, "progress": future.progress()}  # fmt: skip
+        info = {
+            "id": record.id,
+            "name": record.name,
+            "kind": record.kind,
+            "state": future.state(),
+            "cluster": record.cluster,
+            "cluster_job_id": record.cluster_job_id,
+            "folder": record.folder,
+            "submitted": record.submitted,
+            "what": record.what,
+            "resources": record.resources,
+            "tasks": record.num_tasks,
+            "progress": future.progress(),
+        }
         if args.json:
             print(json.dumps(info, default=repr))
         else:

@@ -21,8 +21,13 @@ def curve_key(histories: Sequence[Sequence[dict[str, Any]]], metric: str | None)
     return None
 
 
-def plot_trials(labels: Sequence[str], histories: Sequence[Sequence[dict[str, Any]]], path: Path,
-                metric: str | None = None, best: int | None = None) -> Path | None:  # fmt: skip
+def plot_trials(
+    labels: Sequence[str],
+    histories: Sequence[Sequence[dict[str, Any]]],
+    path: Path,
+    metric: str | None = None,
+    best: int | None = None,
+) -> Path | None:
     """Draw each trial's series against its iteration into ``path``; None when no trial published any."""
     key = curve_key(histories, metric)
     if key is None:

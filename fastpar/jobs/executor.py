@@ -88,7 +88,11 @@ def check_resources(resources: Mapping[str, Any] | None) -> dict[str, Any]:
         value = params.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < minimum:
             problems.append(f"{key} must be at least {minimum}, got {value!r}")
-    if isinstance(params.get("mem_gb"), (int, float)) and not isinstance(params["mem_gb"], bool) and params["mem_gb"] <= 0:
+    if (
+        isinstance(params.get("mem_gb"), (int, float))
+        and not isinstance(params["mem_gb"], bool)
+        and params["mem_gb"] <= 0
+    ):
         problems.append(f"mem_gb must be above 0, got {params['mem_gb']!r}")
     for key, value in params.items():  # Slurm's own counts (slurm_cpus_per_gpu, slurm_mem_per_cpu, ...)
         if key.startswith("slurm_") and isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
@@ -139,8 +143,15 @@ class _ControllerSubprocess(types.ModuleType):
 
     def Popen(self, *args: Any, env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:  # noqa: N802
         env = {**(os.environ if env is None else env), proctree.MARKER_ENV: self._marker}
-        return subprocess.Popen(*args, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=self._log,
-                                stderr=subprocess.STDOUT, **kwargs)  # fmt: skip
+        return subprocess.Popen(
+            *args,
+            env=env,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            **kwargs,
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)

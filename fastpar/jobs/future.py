@@ -87,8 +87,9 @@ class JobFuture(concurrent.futures.Future):
         local = self._job.state  # also reaps our own child controller once it has exited
         if local == "RUNNING":
             return "RUNNING"
-        if local.startswith("NO PROCESS") and proctree.is_running(int(self.record.cluster_job_id),
-                                                                   self.record.controller_start_ticks):  # fmt: skip
+        if local.startswith("NO PROCESS") and proctree.is_running(
+            int(self.record.cluster_job_id), self.record.controller_start_ticks
+        ):
             return "RUNNING"  # started by another process
         return "FAILED"
 
@@ -148,8 +149,9 @@ class JobFuture(concurrent.futures.Future):
         if self.record.cluster == "slurm":
             self._job.cancel(check=False)  # scancel: Slurm ends every step of the job
         else:
-            proctree.kill_job(int(self.record.cluster_job_id), self.record.controller_start_ticks,
-                              marker=self.record.process_marker)  # fmt: skip
+            proctree.kill_job(
+                int(self.record.cluster_job_id), self.record.controller_start_ticks, marker=self.record.process_marker
+            )
             self._job.state  # noqa: B018 - reap our child controller, if it is ours
 
     def poll(self) -> bool:
@@ -202,7 +204,9 @@ class JobFuture(concurrent.futures.Future):
                 f"job {self.id} ({self.name}) exceeded its time limit ({limit} min) and was stopped; ask for more "
                 f"with resources={{'timeout_min': ...}}. Logs in {self.folder}"
             )
-        note = f"job {self.id} ({self.name}) failed in task {task}; logs in {self.folder}. Traceback in the job:\n{trace}"
+        note = (
+            f"job {self.id} ({self.name}) failed in task {task}; logs in {self.folder}. Traceback in the job:\n{trace}"
+        )
         path = exception_path(self.folder, task)
         if path.exists():
             try:

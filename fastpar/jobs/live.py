@@ -55,8 +55,15 @@ class LiveTable:
         state = trial.state + (" (earlier run)" if trial.resumed else "")
         metrics = trial.error[:100] if trial.state == FAILED and trial.error else format_metrics(latest)
         slot = trial.slot.describe() if trial.slot is not None else ""
-        return [str(trial.index), trial.short_config(), state, slot, epoch, metrics,
-                f"{seconds:.0f}s" if seconds is not None else ""]  # fmt: skip
+        return [
+            str(trial.index),
+            trial.short_config(),
+            state,
+            slot,
+            epoch,
+            metrics,
+            f"{seconds:.0f}s" if seconds is not None else "",
+        ]
 
     def _rich_table(self) -> Any:
         from rich.table import Table
@@ -79,8 +86,11 @@ class LiveTable:
             mark = (row[2], row[4])  # state, epoch
             if self._seen.get(trial.index) != mark:
                 self._seen[trial.index] = mark
-                print(f"trial {row[0]} [{row[1]}] {row[2]}" + "".join(f"  {c}" for c in row[3:] if c),
-                      file=self.stream, flush=True)  # fmt: skip
+                print(
+                    f"trial {row[0]} [{row[1]}] {row[2]}" + "".join(f"  {c}" for c in row[3:] if c),
+                    file=self.stream,
+                    flush=True,
+                )
 
     def close(self) -> None:
         if self._rich is not None:

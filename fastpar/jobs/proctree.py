@@ -95,8 +95,9 @@ def _signal(pids: set[int], sig: int) -> None:
             pass
 
 
-def kill_job(leader: int, start_ticks: int | None = None, timeout_s: float = 10.0,
-             marker: str | None = None) -> list[int]:  # fmt: skip
+def kill_job(
+    leader: int, start_ticks: int | None = None, timeout_s: float = 10.0, marker: str | None = None
+) -> list[int]:
     """Freeze, then kill every process of the job; return their pids. Raises TimeoutError naming the
     processes still alive after ``timeout_s``."""
     frozen: set[int] = set()

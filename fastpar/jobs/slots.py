@@ -47,7 +47,6 @@ def _cpu_text(cpus: tuple[int, ...]) -> str:
     return format_cpu_list(list(cpus))
 
 
-
 def _split(cpus: list[int], parts: int) -> list[tuple[int, ...]]:
     """``cpus`` cut into ``parts`` disjoint runs of equal length (the remainder unused); empty when too few."""
     share = len(cpus) // parts if parts else 0
@@ -86,21 +85,31 @@ def local_topology() -> Any:
     return topology
 
 
-def plan_slots(cpus_per_trial: int | None = None, gpus_per_trial: int | None = None, *,
-               max_parallel: int | None = None, topology: Any = None) -> list[Slot]:  # fmt: skip
+def plan_slots(
+    cpus_per_trial: int | None = None,
+    gpus_per_trial: int | None = None,
+    *,
+    max_parallel: int | None = None,
+    topology: Any = None,
+) -> list[Slot]:
     """The slots of this machine: ``gpus_per_trial`` GPUs each (default 1 when there are GPUs, else 0),
     ``cpus_per_trial`` cores each (default: the cores split evenly among the GPU slots, or 1 without GPUs).
     Raises ValueError when a slot asks for more than the machine has."""
-    for name, value, minimum in (("cpus_per_trial", cpus_per_trial, 1), ("gpus_per_trial", gpus_per_trial, 0),
-                                 ("max_parallel", max_parallel, 1)):  # fmt: skip
+    for name, value, minimum in (
+        ("cpus_per_trial", cpus_per_trial, 1),
+        ("gpus_per_trial", gpus_per_trial, 0),
+        ("max_parallel", max_parallel, 1),
+    ):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < minimum):
             raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
     topology = topology if topology is not None else local_topology()
     cpus = usable_cpus()
     gpus_per_trial = (1 if topology.gpus else 0) if gpus_per_trial is None else gpus_per_trial
     if cpus_per_trial is not None and cpus_per_trial > len(cpus):
-        raise ValueError(f"cpus_per_trial={cpus_per_trial}, but this process may use {len(cpus)} CPU(s) "
-                         f"({_cpu_text(tuple(cpus))}); ask for at most {len(cpus)}")  # fmt: skip
+        raise ValueError(
+            f"cpus_per_trial={cpus_per_trial}, but this process may use {len(cpus)} CPU(s) "
+            f"({_cpu_text(tuple(cpus))}); ask for at most {len(cpus)}"
+        )
     if gpus_per_trial > len(topology.gpus):
         why = f" ({topology.gpu_status})" if topology.gpu_status else ""
         raise ValueError(

@@ -99,8 +99,10 @@ def job_state(job_id: str) -> str:
     if accounting and state in (None, GONE):
         return "UNKNOWN"  # not in accounting yet: it will be soon
     if state is None:
-        _warn_once(f"Slurm did not answer about job {job_id} (sacct and scontrol both failed); "
-                   "its state is taken as unknown until it does")  # fmt: skip
+        _warn_once(
+            f"Slurm did not answer about job {job_id} (sacct and scontrol both failed); "
+            "its state is taken as unknown until it does"
+        )
         return "UNKNOWN"
     return state
 

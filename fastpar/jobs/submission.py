@@ -30,9 +30,20 @@ def describe(target: Any) -> str:
     return f"{module}.{name}" if module and module != "__main__" else name
 
 
-def start_job(payload: bytes, *, kind: str, name: str, what: str, cluster: str, params: dict[str, Any],
-              root: str | Path | None = None, folder: Path | None = None, slot: Any = None,
-              result_from: str = "task0", threads_from_cores: bool = False) -> JobFuture:  # fmt: skip
+def start_job(
+    payload: bytes,
+    *,
+    kind: str,
+    name: str,
+    what: str,
+    cluster: str,
+    params: dict[str, Any],
+    root: str | Path | None = None,
+    folder: Path | None = None,
+    slot: Any = None,
+    result_from: str = "task0",
+    threads_from_cores: bool = False,
+) -> JobFuture:
     """Submit the packed call to ``cluster`` (resolved) with ``params`` (checked); the job's folder is
     ``folder`` or a new one under the jobs root."""
     if folder is None:
@@ -50,11 +61,19 @@ def start_job(payload: bytes, *, kind: str, name: str, what: str, cluster: str, 
             f"{', '.join(f'{k}={v!r}' for k, v in params.items() if k != 'name')}"
         ) from None
     record = JobRecord(
-        id=job_id, name=name, kind=kind, cluster=cluster, folder=str(folder.resolve()), cluster_job_id=str(job.job_id),
-        num_tasks=job.num_tasks, result_from=result_from, submitted=now_iso(), what=what,
+        id=job_id,
+        name=name,
+        kind=kind,
+        cluster=cluster,
+        folder=str(folder.resolve()),
+        cluster_job_id=str(job.job_id),
+        num_tasks=job.num_tasks,
+        result_from=result_from,
+        submitted=now_iso(),
+        what=what,
         resources={k: v for k, v in params.items() if k != "name"},
         slot=dataclasses.asdict(slot) if slot is not None else None,
-    )  # fmt: skip
+    )
     if cluster == "local":
         controller = proctree.read_proc(int(job.job_id))
         record.controller_start_ticks = controller.start_ticks if controller else None
@@ -63,8 +82,14 @@ def start_job(payload: bytes, *, kind: str, name: str, what: str, cluster: str, 
     return JobFuture(record, job)
 
 
-def submit(fn: Callable[..., Any], *args: Any, resources: Mapping[str, Any] | None = None, cluster: str = "auto",
-           name: str | None = None, root: str | Path | None = None) -> JobFuture:  # fmt: skip
+def submit(
+    fn: Callable[..., Any],
+    *args: Any,
+    resources: Mapping[str, Any] | None = None,
+    cluster: str = "auto",
+    name: str | None = None,
+    root: str | Path | None = None,
+) -> JobFuture:
     """Run ``fn(*args)`` in a job of its own and return its :class:`~fastpar.jobs.JobFuture` at once.
 
     ``resources``: submitit's parameters (``timeout_min``, ``gpus_per_node``, ``cpus_per_task``, ``mem_gb``,
@@ -80,5 +105,12 @@ def submit(fn: Callable[..., Any], *args: Any, resources: Mapping[str, Any] | No
         raise ValueError("fastpar.submit runs one process; for several nodes or tasks use fastpar.batch(..., nodes=N)")
     if cluster == "local":
         fill_local_gpus(params, "fastpar.submit")
-    return start_job(payload, kind="submit", name=name or getattr(fn, "__name__", "job"), what=describe(fn),
-                     cluster=cluster, params=params, root=root)  # fmt: skip
+    return start_job(
+        payload,
+        kind="submit",
+        name=name or getattr(fn, "__name__", "job"),
+        what=describe(fn),
+        cluster=cluster,
+        params=params,
+        root=root,
+    )

@@ -60,15 +60,26 @@ def _reattach(trial: Trial) -> None:
 
 
 class _Sweep:
-    def __init__(self, train_fn: Callable[[Any], Any], configs: Sequence[Any], folder: Path, cluster: str,
-                 params: dict[str, Any], slots: list | None, max_parallel: int | None, live: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        train_fn: Callable[[Any], Any],
+        configs: Sequence[Any],
+        folder: Path,
+        cluster: str,
+        params: dict[str, Any],
+        slots: list | None,
+        max_parallel: int | None,
+        live: bool,
+    ) -> None:
         self.fn_name = describe(train_fn)
         names = [f"config {i}" for i in range(len(configs))]
         # every call is packed before the first trial starts: a config that can't travel stops the sweep at once
         self.payloads = [pack_call(train_fn, (config,), [name]) for config, name in zip(configs, names, strict=True)]
         self.folder, self.cluster, self.params = folder, cluster, params
         keys = trial_keys(self.fn_name, configs)
-        self.trials = [Trial(i, k, c, folder / "trials" / k) for i, (k, c) in enumerate(zip(keys, configs, strict=True))]
+        self.trials = [
+            Trial(i, k, c, folder / "trials" / k) for i, (k, c) in enumerate(zip(keys, configs, strict=True))
+        ]
         self.free = list(slots) if slots is not None else None  # None: the cluster queues the trials
         self.capacity = max_parallel
         self.running: dict[concurrent.futures.Future, Trial] = {}
@@ -81,10 +92,17 @@ class _Sweep:
             params["gpus_per_node"] = len(slot.gpus)
         trial.slot, trial.state, trial.seconds = slot, RUNNING, None
         trial.started = time.monotonic()
-        trial.future = start_job(self.payloads[trial.index], kind="trial", name=f"trial-{trial.index}",
-                                 what=f"{self.fn_name}({trial.short_config(80)})", cluster=self.cluster,
-                                 params=params, folder=trial.folder, slot=slot,
-                                 threads_from_cores=self.free is None)  # fmt: skip
+        trial.future = start_job(
+            self.payloads[trial.index],
+            kind="trial",
+            name=f"trial-{trial.index}",
+            what=f"{self.fn_name}({trial.short_config(80)})",
+            cluster=self.cluster,
+            params=params,
+            folder=trial.folder,
+            slot=slot,
+            threads_from_cores=self.free is None,
+        )
         self.running[trial.future] = trial
 
     def _take_slot_of(self, trial: Trial) -> None:
@@ -104,7 +122,10 @@ class _Sweep:
         if future.cancelled():
             trial.state, trial.error = CANCELLED, "cancelled"
         elif (error := future.exception()) is not None:
-            trial.state, trial.error = FAILED, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            trial.state, trial.error = (
+                FAILED,
+                f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
+            )
         else:
             trial.state, trial.result = COMPLETED, future.result()
         if self.free is not None and trial.slot is not None:
@@ -127,8 +148,9 @@ class _Sweep:
                 while pending and self._room():
                     self._start(pending.pop(0))
                 self.table.update()
-                done, _ = concurrent.futures.wait(list(self.running), timeout=REFRESH_S,
-                                                  return_when=concurrent.futures.FIRST_COMPLETED)  # fmt: skip
+                done, _ = concurrent.futures.wait(
+                    list(self.running), timeout=REFRESH_S, return_when=concurrent.futures.FIRST_COMPLETED
+                )
                 for future in done:
                     self._finish(self.running.pop(future))
         except KeyboardInterrupt:
@@ -144,10 +166,21 @@ class _Sweep:
         self.table.close()
 
 
-def sweep(train_fn: Callable[[Any], Any], configs: Sequence[Any], *, folder: str | Path = "fastpar-sweep",
-          metric: str | None = None, mode: str | None = None, cpus_per_trial: int | None = None,
-          gpus_per_trial: int | None = None, max_parallel: int | None = None, cluster: str = "auto",
-          resources: Mapping[str, Any] | None = None, live: bool = True, plot: bool = True) -> SweepResult:  # fmt: skip
+def sweep(
+    train_fn: Callable[[Any], Any],
+    configs: Sequence[Any],
+    *,
+    folder: str | Path = "fastpar-sweep",
+    metric: str | None = None,
+    mode: str | None = None,
+    cpus_per_trial: int | None = None,
+    gpus_per_trial: int | None = None,
+    max_parallel: int | None = None,
+    cluster: str = "auto",
+    resources: Mapping[str, Any] | None = None,
+    live: bool = True,
+    plot: bool = True,
+) -> SweepResult:
     """Run ``train_fn(config)`` for every config, many at once, and compare them.
 
     ``train_fn`` trains one network (typically with a ``fastpar.Trainer``; give its ``output_dir`` as

@@ -52,7 +52,9 @@ class BucketKernels:
     def __init__(self, launcher: Launcher, nvrtc_version: str | None = None):
         abi = nvrtc.abi()
         if (COPY_ENTRY.itemsize, REDUCE_ENTRY.itemsize) != (abi["kCopyEntryBytes"], abi["kReduceEntryBytes"]):
-            raise RuntimeError("csrc/ops/cuda/bucket_kernels.h and fastpar/ops/cupy_tier.py disagree on the entry layout")
+            raise RuntimeError(
+                "csrc/ops/cuda/bucket_kernels.h and fastpar/ops/cupy_tier.py disagree on the entry layout"
+            )
         self.nvrtc_version = nvrtc_version
         self._launcher = launcher
         self._chunk, self._threads, self._max_blocks = abi["kChunkElems"], abi["kBlockThreads"], abi["kMaxBlocks"]

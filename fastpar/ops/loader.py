@@ -32,8 +32,6 @@ _lock = threading.Lock()
 _state: dict | None = None
 
 
-
-
 def _jit_build() -> ModuleType:
     from torch.utils import cpp_extension
 

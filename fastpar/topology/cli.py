@@ -26,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
         "--from", dest="from_file", metavar="FILE", help="read saved `nvidia-smi topo -m` output ('-' = stdin)"
     )
     p.add_argument("--matrix", action="store_true", help="print only the link matrix with its legend")
-    p.add_argument("--json", action="store_true", help="print the topology (and selection; with --env, the settings) as JSON")
+    p.add_argument(
+        "--json", action="store_true", help="print the topology (and selection; with --env, the settings) as JSON"
+    )
     p.add_argument("--select", type=int, metavar="K", help="choose the best K GPUs and explain the choice")
     p.add_argument(
         "--env", action="store_true", help="print eval-able export lines (uses --select K, else all free GPUs)"
@@ -147,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             data["selection"] = selection.to_dict()
         if args.env:  # the same settings as --env prints, as name -> value (and the comments explaining them)
             network, note = (topology, "") if this_machine else _other_machine_network()
-            data["env"], data["env_notes"] = _env_dict(build_env(topology, selection, environ=os.environ,
-                                                                 network=network, network_note=note))  # fmt: skip
+            data["env"], data["env_notes"] = _env_dict(
+                build_env(topology, selection, environ=os.environ, network=network, network_note=note)
+            )
         print(json.dumps(data, indent=2))
     elif args.env:
         network, note = (topology, "") if this_machine else _other_machine_network()

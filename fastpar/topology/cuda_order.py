@@ -100,8 +100,9 @@ def visible_gpus(gpus: list[GPU], environ: Mapping[str, str] | None = None) -> l
     return visible
 
 
-def select_cuda_devices(k: int, topology: Topology | None = None, environ: Mapping[str, str] | None = None,
-                        **select_options) -> list[int]:  # fmt: skip
+def select_cuda_devices(
+    k: int, topology: Topology | None = None, environ: Mapping[str, str] | None = None, **select_options
+) -> list[int]:
     """The best-connected k GPUs this process can see (``select_devices``), as CUDA ordinals of this process.
 
     When the mapping can't be known (GPUs of different models under CUDA_DEVICE_ORDER=FASTEST_FIRST, MIG

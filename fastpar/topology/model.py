@@ -167,4 +167,3 @@ class Topology:
             numa_nodes=[NumaNode(**n) for n in data.pop("numa_nodes", [])],
             **data,
         )
-

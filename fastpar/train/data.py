@@ -61,9 +61,19 @@ def check_exists(data: Any, what: str) -> None:
         )
 
 
-def make_loader(data: Any, *, train: bool, batch_size: int, rank: int, world_size: int, seed: int,
-                image_size: int | None, threads: int | None, device: torch.device,
-                cache_dir: str | None = None) -> Any:  # fmt: skip
+def make_loader(
+    data: Any,
+    *,
+    train: bool,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    image_size: int | None,
+    threads: int | None,
+    device: torch.device,
+    cache_dir: str | None = None,
+) -> Any:
     """The loader rank ``rank`` iterates for ``data`` (fastpar.data's loaders for folders, arrays, datasets).
 
     Training drops the last partial batch (equal, full steps on every rank); validation sees every sample once.
@@ -76,8 +86,9 @@ def make_loader(data: Any, *, train: bool, batch_size: int, rank: int, world_siz
     if kind == "folder":
         size = {} if image_size is None else {"size": image_size}
         cache = {"cache_dir": cache_dir} if cache_dir is not None and is_url(data) else {}
-        return fpdata.image_loader(str(data), batch_size, train=train, num_threads=threads, last_batch=last_batch,
-                                   **size, **cache, **common)  # fmt: skip
+        return fpdata.image_loader(
+            str(data), batch_size, train=train, num_threads=threads, last_batch=last_batch, **size, **cache, **common
+        )
     if kind == "arrays":
         x, y = data
         return fpdata.array_loader(x, y, batch_size, shuffle=train, last_batch=last_batch, **common)
@@ -88,8 +99,9 @@ def make_loader(data: Any, *, train: bool, batch_size: int, rank: int, world_siz
     return _replan(data, train=train, last_batch=last_batch, **common)
 
 
-def _replan(loader: Any, *, train: bool, last_batch: str, rank: int, world_size: int, seed: int,
-            device: torch.device) -> Any:  # fmt: skip
+def _replan(
+    loader: Any, *, train: bool, last_batch: str, rank: int, world_size: int, seed: int, device: torch.device
+) -> Any:
     if isinstance(loader, PlannedLoader):
         if loader.spec.world_size == world_size:
             return loader  # already made for this world size (e.g. with explicit rank/world_size)
@@ -138,10 +150,13 @@ class PlannedDataLoader(PlannedLoader):
         super().__init__(spec)
         self.dataset = loader.dataset
         self._kwargs = dict(
-            collate_fn=loader.collate_fn, num_workers=loader.num_workers, pin_memory=loader.pin_memory,
-            timeout=loader.timeout, worker_init_fn=loader.worker_init_fn,
+            collate_fn=loader.collate_fn,
+            num_workers=loader.num_workers,
+            pin_memory=loader.pin_memory,
+            timeout=loader.timeout,
+            worker_init_fn=loader.worker_init_fn,
             multiprocessing_context=loader.multiprocessing_context,
-        )  # fmt: skip
+        )
         if loader.num_workers > 0:
             self._kwargs["prefetch_factor"] = loader.prefetch_factor
 

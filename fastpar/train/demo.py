@@ -105,11 +105,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lr", type=_number(float, 0, above=True), default=1e-2, help="peak learning rate of the one-cycle schedule"
     )
-    p.add_argument("--environment", choices=ENVIRONMENTS, default="auto",
-                   help="where to train: TrainingOptions.execution_environment (default auto)")  # fmt: skip
+    p.add_argument(
+        "--environment",
+        choices=ENVIRONMENTS,
+        default="auto",
+        help="where to train: TrainingOptions.execution_environment (default auto)",
+    )
     p.add_argument("--devices", type=positive, default=None, help="CPU processes or GPUs (default: all GPUs / 2 CPUs)")
-    p.add_argument("--ddp", choices=("auto", "torch", "fastpar"), default="auto",
-                   help="gradient sync: fastpar's DistributedDataParallel, torch's, or auto (default)")  # fmt: skip
+    p.add_argument(
+        "--ddp",
+        choices=("auto", "torch", "fastpar"),
+        default="auto",
+        help="gradient sync: fastpar's DistributedDataParallel, torch's, or auto (default)",
+    )
     p.add_argument("--resume", action="store_true", help="continue (or extend, with more --epochs) the run in --dir")
     return p
 
@@ -167,13 +175,20 @@ def main(argv: list[str] | None = None) -> int:
         resume=args.resume,
         lr_scheduler=functools.partial(one_cycle, total_steps=steps, max_lr=args.lr),
     )
-    trainer = Trainer(functools.partial(SmallCNN, args.classes), functools.partial(adamw, lr=args.lr),
-                      nn.CrossEntropyLoss(), str(train), options=opts)  # fmt: skip
+    trainer = Trainer(
+        functools.partial(SmallCNN, args.classes),
+        functools.partial(adamw, lr=args.lr),
+        nn.CrossEntropyLoss(),
+        str(train),
+        options=opts,
+    )
     result = trainer.fit()
 
     if result.steps == result.start_step:  # --resume of a run that already has --epochs epochs
-        print(f"fastpar demo: nothing to do ({args.epochs} of {args.epochs} epochs done); "
-              f"pass --epochs N (N > {args.epochs}) with --resume to extend the run")  # fmt: skip
+        print(
+            f"fastpar demo: nothing to do ({args.epochs} of {args.epochs} epochs done); "
+            f"pass --epochs N (N > {args.epochs}) with --resume to extend the run"
+        )
         return 0
     if not result.history:  # e.g. --resume of a run whose metrics.jsonl is gone
         print(f"\nnothing to report: no logged steps in {result.metrics_path}")
@@ -191,11 +206,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary_line(result: TrainingResult, throughput: float, processes: int) -> str:
     """This call's steps, seconds and throughput; after --resume, the whole run's totals said apart."""
-    line = (f"throughput {throughput:.0f} samples/s on {processes} process(es); "
-            f"{result.steps_this_call} steps in {result.elapsed_this_call:.1f} s of training")  # fmt: skip
+    line = (
+        f"throughput {throughput:.0f} samples/s on {processes} process(es); "
+        f"{result.steps_this_call} steps in {result.elapsed_this_call:.1f} s of training"
+    )
     if result.start_step > 0:
-        line += (f" this time (resumed at step {result.start_step}; the whole run: {result.steps} steps in "
-                 f"{result.elapsed:.1f} s)")  # fmt: skip
+        line += (
+            f" this time (resumed at step {result.start_step}; the whole run: {result.steps} steps in "
+            f"{result.elapsed:.1f} s)"
+        )
     return line
 
 

@@ -41,8 +41,6 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-
-
 def default_cpu_processes() -> int:
     """A sensible share of the cores: up to 4 processes, each with cores/processes threads."""
     return max(1, min(_MAX_DEFAULT_CPU_PROCESSES, usable_cpu_count()))

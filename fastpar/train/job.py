@@ -42,8 +42,12 @@ class OptimizerSpec:
                     "the optimizer holds parameters that are not the model's; build it from model.parameters() "
                     "or pass a module-level factory taking the parameters"
                 )
-            groups.append({**{k: v for k, v in group.items() if k != "params"},
-                           "params": [position[id(p)] for p in group["params"]]})  # fmt: skip
+            groups.append(
+                {
+                    **{k: v for k, v in group.items() if k != "params"},
+                    "params": [position[id(p)] for p in group["params"]],
+                }
+            )
         return cls(type(optimizer), groups, optimizer.state_dict())
 
     def build(self, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -100,10 +104,15 @@ def wrap_ddp(model: torch.nn.Module, options: TrainingOptions, device: torch.dev
     if ddp_choice(options) == "fastpar":
         from ..ddp import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=device_ids, grad_dtype=options.grad_dtype,
-                                       find_unused_parameters=options.find_unused_parameters)  # fmt: skip
-    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
-                                                    find_unused_parameters=options.find_unused_parameters)  # fmt: skip
+        return DistributedDataParallel(
+            model,
+            device_ids=device_ids,
+            grad_dtype=options.grad_dtype,
+            find_unused_parameters=options.find_unused_parameters,
+        )
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=device_ids, find_unused_parameters=options.find_unused_parameters
+    )
     if options.grad_dtype in (torch.bfloat16, torch.float16):  # torch's way: a compression comm hook
         ddp.register_comm_hook(options.grad_dtype, _compress_hook)
     return ddp

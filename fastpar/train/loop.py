@@ -27,8 +27,20 @@ from .progress import MetricsLog, ProgressBar
 
 _PLOT_REFRESH_S = 10.0  # redraw the progress PNG at most this often (a redraw costs ~0.2 s on rank 0)
 # Every info record an output function gets has these keys (None when not known at that point).
-INFO_KEYS = ("state", "epoch", "iteration", "loss", "accuracy", "val_loss", "val_accuracy", "lr", "elapsed",
-             "samples_per_s", "max_epochs", "total_steps")  # fmt: skip
+INFO_KEYS = (
+    "state",
+    "epoch",
+    "iteration",
+    "loss",
+    "accuracy",
+    "val_loss",
+    "val_accuracy",
+    "lr",
+    "elapsed",
+    "samples_per_s",
+    "max_epochs",
+    "total_steps",
+)
 
 
 def _seed_everything(seed: int) -> None:
@@ -63,8 +75,15 @@ class Run:
         self.input_dtype = floating[0] if floating else torch.get_default_dtype()
 
         threads = opts.data_threads if opts.data_threads is not None else (None if device.type == "cuda" else 0)
-        loader_args = dict(batch_size=opts.batch_size, rank=rank, world_size=world_size, seed=opts.seed,
-                           image_size=opts.image_size, threads=threads, device=device)  # fmt: skip
+        loader_args = dict(
+            batch_size=opts.batch_size,
+            rank=rank,
+            world_size=world_size,
+            seed=opts.seed,
+            image_size=opts.image_size,
+            threads=threads,
+            device=device,
+        )
         loader_args["cache_dir"] = opts.data_cache_dir  # object-store data: a local cache shared by the ranks
         self.train_loader = make_loader(job.train_data, train=True, **loader_args)
         self.val_loader = (
@@ -116,17 +135,28 @@ class Run:
         where = f"{self.world_size} {self.device.type.upper()} process(es)"
         ddp = f", {ddp_choice(self.opts)} DDP" if self.world_size > 1 else ""
         loader = getattr(getattr(self.train_loader, "backend", None), "name", type(self.train_loader).__name__)
-        print(f"fastpar: training on {where}{ddp}; data: {loader}, {self.batches} batches/epoch per process; "
-              f"{self.total_steps} steps", flush=True)  # fmt: skip
+        print(
+            f"fastpar: training on {where}{ddp}; data: {loader}, {self.batches} batches/epoch per process; "
+            f"{self.total_steps} steps",
+            flush=True,
+        )
 
     # --- resume and checkpoints -------------------------------------------------------------------
     def _maybe_resume(self) -> bool:
         if self.ckpt_dir is None or not (self.opts.resume or ckpt.restarted_by_torchrun()):
             return False
-        position = resume.restore(self.ckpt_dir, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                  rank=self.rank, world_size=self.world_size, batches_per_epoch=self.batches,
-                                  total_steps=self.total_steps, max_epochs=self.opts.max_epochs,
-                                  report=print if self.is_main else (lambda _msg: None))  # fmt: skip
+        position = resume.restore(
+            self.ckpt_dir,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            rank=self.rank,
+            world_size=self.world_size,
+            batches_per_epoch=self.batches,
+            total_steps=self.total_steps,
+            max_epochs=self.opts.max_epochs,
+            report=print if self.is_main else (lambda _msg: None),
+        )
         if position is None:
             return False
         self.step, self.epoch, self.batch_in_epoch = position.step, position.epoch, position.batch_in_epoch
@@ -135,11 +165,21 @@ class Run:
 
     def _save_checkpoint(self) -> None:
         self.saved_step = self.step  # on every rank: they all decide alike whether a final save is due
-        kept = resume.save(self.ckpt_dir, self.opts.keep_checkpoints, step=self.step, epoch=self.epoch,
-                           batch_in_epoch=self.batch_in_epoch, elapsed=self.elapsed(),
-                           total_steps=self.total_steps, model=self.model,
-                           optimizer=self.optimizer, scheduler=self.scheduler, train_loader=self.train_loader,
-                           rank=self.rank, world_size=self.world_size)  # fmt: skip
+        kept = resume.save(
+            self.ckpt_dir,
+            self.opts.keep_checkpoints,
+            step=self.step,
+            epoch=self.epoch,
+            batch_in_epoch=self.batch_in_epoch,
+            elapsed=self.elapsed(),
+            total_steps=self.total_steps,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            train_loader=self.train_loader,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
         if kept is not None:
             self.checkpoints = kept
 
@@ -287,8 +327,12 @@ class Run:
         self.started = time.perf_counter()
         stop = False
         if self.is_main:
-            start = {"epoch": self.epoch, "iteration": self.step, "elapsed": self.elapsed(),
-                     "lr": float(self.optimizer.param_groups[0]["lr"])}  # fmt: skip
+            start = {
+                "epoch": self.epoch,
+                "iteration": self.step,
+                "elapsed": self.elapsed(),
+                "lr": float(self.optimizer.param_groups[0]["lr"]),
+            }
             stop = self._call_output_fns(start, "start")
         stop = self._share_stop(stop)
         self.optimizer.zero_grad(set_to_none=True)

@@ -63,8 +63,9 @@ class ProgressBar:
     bar writes carriage returns that make logs unreadable.
     """
 
-    def __init__(self, total_steps: int, max_epochs: int, stream: TextIO | None = None,
-                 start_step: int = 0, width: int = 24) -> None:  # fmt: skip
+    def __init__(
+        self, total_steps: int, max_epochs: int, stream: TextIO | None = None, start_step: int = 0, width: int = 24
+    ) -> None:
         self.total_steps, self.max_epochs, self.width = total_steps, max_epochs, width
         self.stream = stream or sys.stdout
         self._bar = None
@@ -74,8 +75,14 @@ class ProgressBar:
                 from tqdm.auto import tqdm  # the notebook widget when ipywidgets is there, else text
             else:
                 from tqdm import tqdm
-            self._bar = tqdm(total=total_steps, initial=start_step, file=None if notebook else self.stream,
-                             unit="step", dynamic_ncols=True, leave=True)  # fmt: skip
+            self._bar = tqdm(
+                total=total_steps,
+                initial=start_step,
+                file=None if notebook else self.stream,
+                unit="step",
+                dynamic_ncols=True,
+                leave=True,
+            )
         self._start_step: int | None = None
         self._start_time = time.perf_counter()
 

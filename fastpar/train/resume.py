@@ -41,9 +41,22 @@ class Position:
 _SCHEDULE_POSITION = ("last_epoch", "_step_count", "_last_lr")
 
 
-def save(directory: Path, keep: int, *, step: int, epoch: int, batch_in_epoch: int, elapsed: float,
-         total_steps: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-         train_loader: Any, rank: int, world_size: int) -> list[str] | None:  # fmt: skip
+def save(
+    directory: Path,
+    keep: int,
+    *,
+    step: int,
+    epoch: int,
+    batch_in_epoch: int,
+    elapsed: float,
+    total_steps: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    train_loader: Any,
+    rank: int,
+    world_size: int,
+) -> list[str] | None:
     """Collective: every rank calls it. Rank 0 writes the checkpoint and returns the kept paths, others None."""
     loader_state = train_loader.state_dict() if hasattr(train_loader, "state_dict") else None
     optimizer_state = optimizer.state_dict()  # on every rank: a sharded optimizer gathers its state on rank 0
@@ -70,9 +83,19 @@ def save(directory: Path, keep: int, *, step: int, epoch: int, batch_in_epoch: i
     return [str(p) for p in ckpt.list_checkpoints(directory)]
 
 
-def restore(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-            rank: int, world_size: int, batches_per_epoch: int, total_steps: int, max_epochs: int,
-            report: Callable[[str], None]) -> Position | None:  # fmt: skip
+def restore(
+    directory: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    rank: int,
+    world_size: int,
+    batches_per_epoch: int,
+    total_steps: int,
+    max_epochs: int,
+    report: Callable[[str], None],
+) -> Position | None:
     """Load the newest valid checkpoint into model/optimizer/scheduler and this rank's RNGs; None if none."""
     state, path = ckpt.load_newest_valid(directory, report=report)
     if state is None:
@@ -91,8 +114,10 @@ def restore(directory: Path, *, model: torch.nn.Module, optimizer: torch.optim.O
         ckpt.set_rng_state(mine["rng"])
         batch_in_epoch, loader_state = mine["batch_in_epoch"], mine.get("loader")
     else:
-        report(f"fastpar: checkpoint was written by {len(ranks)} processes, resuming on {world_size}: "
-               "the data order restarts at the beginning of its epoch")  # fmt: skip
+        report(
+            f"fastpar: checkpoint was written by {len(ranks)} processes, resuming on {world_size}: "
+            "the data order restarts at the beginning of its epoch"
+        )
     if batch_in_epoch >= batches_per_epoch:  # written at the end of an epoch
         epoch, batch_in_epoch, loader_state = epoch + 1, 0, None
     step = state["step"]

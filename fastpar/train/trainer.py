@@ -64,8 +64,9 @@ class Trainer:
     pickled: define them at module level and guard the entry with ``if __name__ == "__main__":``.
     """
 
-    def __init__(self, model: Any, optimizer: Any, loss_fn: Any, train_data: Any, *,
-                 options: TrainingOptions | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, model: Any, optimizer: Any, loss_fn: Any, train_data: Any, *, options: TrainingOptions | None = None
+    ) -> None:
         self.options = options or TrainingOptions()
         self.model, self.optimizer, self.loss_fn, self.train_data = model, optimizer, loss_fn, train_data
         if not (isinstance(model, torch.nn.Module) or callable(model)):
@@ -117,8 +118,9 @@ class Trainer:
         job = Job(self.model, optimizer, self.loss_fn, self.train_data, opts, plan)
         if local_launch:
             check_picklable(job)
-            raw = launcher.launch_agent(run_worker, (job,), nproc_per_node=plan.nprocs,
-                                        max_restarts=opts.max_restarts)[0]  # fmt: skip
+            raw = launcher.launch_agent(run_worker, (job,), nproc_per_node=plan.nprocs, max_restarts=opts.max_restarts)[
+                0
+            ]
         else:  # one process here, or this process is already a torchrun worker
             raw = run_worker(job)
         return self._result(raw)

@@ -27,8 +27,13 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         set_threads(plan.threads_per_process)
     own_group = world_size > 1 and not dist.is_initialized()
     if own_group:
-        join_process_group(plan.backend or ("nccl" if device.type == "cuda" else "gloo"), rank=rank,
-                           world_size=world_size, timeout_s=job.collective_timeout_s, device=device)  # fmt: skip
+        join_process_group(
+            plan.backend or ("nccl" if device.type == "cuda" else "gloo"),
+            rank=rank,
+            world_size=world_size,
+            timeout_s=job.collective_timeout_s,
+            device=device,
+        )
     try:
         return Run(job, rank, world_size, device).train()
     finally:

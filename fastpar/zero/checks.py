@@ -41,9 +41,12 @@ def refuse_closure_optimizer(optimizer_class: type) -> None:
 
 
 def check_elementwise(
-    optimizer_class: type, hyperparameters: dict[str, Any], ctor_kwargs: dict[str, Any], group_label: str,
+    optimizer_class: type,
+    hyperparameters: dict[str, Any],
+    ctor_kwargs: dict[str, Any],
+    group_label: str,
     device: torch.device,
-) -> set[str]:  # fmt: skip
+) -> set[str]:
     """Raise ValueError naming ``group_label`` unless ``optimizer_class`` with these hyperparameters updates a
     flat tensor exactly as it updates the same elements as separate parameters (within rounding). Returns
     the state keys that hold one value per element (``exp_avg``, ``momentum_buffer``, ...)."""

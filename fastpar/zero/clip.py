@@ -67,8 +67,14 @@ class ShardNorms:
         device = self.sharded[0].param_flat.device
         works, gathered = [], []
         for zb, slot, a, b, owner in self.sends:
-            works.append(dist.isend(zb.bucket.grad_flat.narrow(0, a, b - a), group=self.group, group_dst=owner,
-                                    tag=self.tag_base + slot.index))  # fmt: skip
+            works.append(
+                dist.isend(
+                    zb.bucket.grad_flat.narrow(0, a, b - a),
+                    group=self.group,
+                    group_dst=owner,
+                    tag=self.tag_base + slot.index,
+                )
+            )
         for zb, slot, pieces in self.assembled:
             whole = torch.empty(slot.numel, dtype=zb.bucket.dtype, device=device)
             for q, a, b in pieces:

@@ -83,8 +83,9 @@ class ZeroCollective:
     def build_buckets(self, layout: Sequence[Sequence[int]]) -> list:
         """The padded buckets of ``layout`` split by param group, the parameters moved into their flat buffers."""
         reducer = self.reducer
-        self.sharded = build_sharded_buckets(reducer.slots, layout, self.group_of_slot, reducer.grad_dtype,
-                                             self.rank, self.world_size)  # fmt: skip
+        self.sharded = build_sharded_buckets(
+            reducer.slots, layout, self.group_of_slot, reducer.grad_dtype, self.rank, self.world_size
+        )
         return [zb.bucket for zb in self.sharded]
 
     def start(self, bucket) -> object:

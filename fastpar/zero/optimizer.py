@@ -278,9 +278,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (its shards' state)."""
         return sum(
-            v.numel() * v.element_size() for inner in self._inner for s in inner.state.values() for v in s.values()
+            v.numel() * v.element_size()
+            for inner in self._inner
+            for s in inner.state.values()
+            for v in s.values()
             if torch.is_tensor(v)
-        )  # fmt: skip
+        )
 
     def _wait_buckets(self, indices) -> None:
         for i in indices:

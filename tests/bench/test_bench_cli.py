@@ -293,9 +293,18 @@ def test_ddp_variants_skip_only_what_torch_lacks():
 def test_ddp_goals_compare_with_the_best_fp32_torch_variant_and_the_best_fixed_cap():
     from fastpar.bench.benchmarks.ddp_step import step_goals
 
-    seconds = {"no_comm": 0.5, "ddp": 2.0, "ddp_bucket_view": 1.8, "ddp_fp16_hook": 1.0, "fastpar_fp32": 1.62,
-               "fastpar_bf16": 0.86, "fastpar_cap_1": 1.7, "fastpar_cap_4": 1.6, "fastpar_cap_25": 1.9,
-               "fastpar_auto": 1.61}  # fmt: skip
+    seconds = {
+        "no_comm": 0.5,
+        "ddp": 2.0,
+        "ddp_bucket_view": 1.8,
+        "ddp_fp16_hook": 1.0,
+        "fastpar_fp32": 1.62,
+        "fastpar_bf16": 0.86,
+        "fastpar_cap_1": 1.7,
+        "fastpar_cap_4": 1.6,
+        "fastpar_cap_25": 1.9,
+        "fastpar_auto": 1.61,
+    }
     goals = step_goals("m", seconds)
     lines = [g.line() for g in goals]
     # the fp16 hook is not an fp32 variant: the best fp32 torch variant is ddp_bucket_view (1.62 / 1.8 = 0.90)

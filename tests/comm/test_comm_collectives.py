@@ -24,7 +24,9 @@ MULTI_SEGMENT = 1_500_001  # fp32: 6 MB, so gloo's ring uses several 1 MB segmen
 
 def _values(rank: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(7919 * rank + 104729 * salt + n)
-    x = torch.randn(n, generator=gen, dtype=torch.float64) * torch.exp(torch.randn(n, generator=gen, dtype=torch.float64) * 4)
+    x = torch.randn(n, generator=gen, dtype=torch.float64) * torch.exp(
+        torch.randn(n, generator=gen, dtype=torch.float64) * 4
+    )
     return x.to(dtype)
 
 
@@ -206,14 +208,27 @@ def _layouts_rank(rank: int, world: int) -> list[str]:
 
     def send_recv(group):  # the gloo group holds every rank in order: global ranks are group ranks
         got = torch.empty(5)
-        reqs = [dist.isend(torch.full((5,), float(rank)), (rank + 1) % world, group=group),
-                dist.irecv(got, (rank - 1) % world, group=group)]  # fmt: skip
+        reqs = [
+            dist.isend(torch.full((5,), float(rank)), (rank + 1) % world, group=group),
+            dist.irecv(got, (rank - 1) % world, group=group),
+        ]
         for req in reqs:
             req.wait()
         return got
 
-    calls = (strided, transposed_parameter, complex_sum, coalesced, in_place_gather, matrix_scatter, bytes_broadcast, integer_sum, maximum,
-             all_to_all, send_recv)  # fmt: skip
+    calls = (
+        strided,
+        transposed_parameter,
+        complex_sum,
+        coalesced,
+        in_place_gather,
+        matrix_scatter,
+        bytes_broadcast,
+        integer_sum,
+        maximum,
+        all_to_all,
+        send_recv,
+    )
     for call in calls:
         check(call.__name__, call)
     dist.barrier()
@@ -234,8 +249,10 @@ def _storage_order_rank(rank: int, world: int) -> list[str]:
 
     def transposed(n_rows: int, n_cols: int, dtype: torch.dtype, salt: int) -> torch.Tensor:
         if dtype.is_complex:
-            real = torch.complex(_values(rank, n_rows * n_cols, torch.float32, salt),
-                                 _values(rank, n_rows * n_cols, torch.float32, salt + 50))  # fmt: skip
+            real = torch.complex(
+                _values(rank, n_rows * n_cols, torch.float32, salt),
+                _values(rank, n_rows * n_cols, torch.float32, salt + 50),
+            )
             return real.to(dtype).view(n_rows, n_cols).t()
         return _values(rank, n_rows * n_cols, dtype, salt).view(n_rows, n_cols).t()
 
@@ -252,8 +269,9 @@ def _storage_order_rank(rank: int, world: int) -> list[str]:
 
             def reduce_scatter_list(group, op=op, dtype=dtype):
                 out = transposed(33, 64, dtype, salt=2)
-                dist.reduce_scatter(out, [transposed(33, 64, dtype, salt=3 + q) for q in range(world)], op=op,
-                                    group=group)  # fmt: skip
+                dist.reduce_scatter(
+                    out, [transposed(33, 64, dtype, salt=3 + q) for q in range(world)], op=op, group=group
+                )
                 return out
 
             def reduce_scatter_tensor(group, op=op, dtype=dtype):
@@ -261,8 +279,11 @@ def _storage_order_rank(rank: int, world: int) -> list[str]:
                 dist.reduce_scatter_tensor(out, transposed(5, 16 * world, dtype, salt=9), op=op, group=group)
                 return out
 
-            calls = {"all_reduce": all_reduce, "reduce_scatter(list)": reduce_scatter_list,
-                     "reduce_scatter_tensor": reduce_scatter_tensor}  # fmt: skip
+            calls = {
+                "all_reduce": all_reduce,
+                "reduce_scatter(list)": reduce_scatter_list,
+                "reduce_scatter_tensor": reduce_scatter_tensor,
+            }
             for name, call in calls.items():
                 if dtype.is_complex and op_name == "avg" and name != "all_reduce":
                     continue  # gloo divides a complex reduce-scatter's result as complex numbers: not matched yet
@@ -297,7 +318,9 @@ def _async_rank(rank: int, world: int) -> dict:
         dist.all_reduce(t, group=gloo)
     outcome["equal"] = [_same(a, b) for a, b in zip(ours, refs, strict=True)]
     outcome["completed"] = all(w.is_completed() and w.exception() is None for w in works)
-    outcome["result_is_output"] = works[1].result()[0] is ours[1] or works[1].result()[0].data_ptr() == ours[1].data_ptr()
+    outcome["result_is_output"] = (
+        works[1].result()[0] is ours[1] or works[1].result()[0].data_ptr() == ours[1].data_ptr()
+    )
     outcome["future_value"] = _same(works[4].get_future().value()[0], ours[4])
     outcome["callback"] = called == [sizes[2]]
     outcome["gathered"] = gathered.tolist() == [float(i + r) for r in range(world) for i in range(10)]

@@ -35,8 +35,13 @@ def _entry(rank, world, port, pg_timeout, fn, results, setup):
     try:
         if setup is not None:
             setup(rank)
-        dist.init_process_group("fastpar", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout))  # fmt: skip
+        dist.init_process_group(
+            "fastpar",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=pg_timeout),
+        )
         results.put((rank, "ok", fn(rank, world)))
     except Exception as exc:  # the error a user would see, as text
         results.put((rank, "error", f"{type(exc).__name__}: {exc}"))
@@ -219,12 +224,18 @@ def _unshare_pid_namespace() -> list[str]:
 
 def test_sweep_leaves_a_live_segment_made_in_another_pid_namespace(tmp_path):
     # Two containers sharing /dev/shm: the creator's pid is 1 in its own namespace, which here is another process.
-    code = ("import sys, time; from pathlib import Path; from fastpar.comm import segments; "
-            "Path(sys.argv[1], segments.segment_name('other').lstrip('/')).write_bytes(b'x'); "
-            "print('made', flush=True); time.sleep(120)")  # fmt: skip
+    code = (
+        "import sys, time; from pathlib import Path; from fastpar.comm import segments; "
+        "Path(sys.argv[1], segments.segment_name('other').lstrip('/')).write_bytes(b'x'); "
+        "print('made', flush=True); time.sleep(120)"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    creator = subprocess.Popen([*_unshare_pid_namespace(), sys.executable, "-c", code, str(tmp_path)],
-                               stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    creator = subprocess.Popen(
+        [*_unshare_pid_namespace(), sys.executable, "-c", code, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert creator.stdout.readline().strip() == "made"
         made = [p.name for p in tmp_path.iterdir()]

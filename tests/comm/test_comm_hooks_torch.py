@@ -62,8 +62,13 @@ def _hooks():
     def power_sgd(hook):
         def make(group):
             # compression from step 2 on (steps 0 and 1 are plain all-reduces): the step the hang was at
-            state = powerSGD_hook.PowerSGDState(process_group=group, matrix_approximation_rank=1,
-                                                start_powerSGD_iter=2, min_compression_rate=0.5, random_seed=0)  # fmt: skip
+            state = powerSGD_hook.PowerSGDState(
+                process_group=group,
+                matrix_approximation_rank=1,
+                start_powerSGD_iter=2,
+                min_compression_rate=0.5,
+                random_seed=0,
+            )
             return state, hook
 
         return make
@@ -132,8 +137,9 @@ def test_torch_comm_hooks_give_gloos_parameters_on_the_fastpar_backend():
         bad = {case: keys for case, keys in result["differing"].items() if keys}
         assert bad == {}, f"rank {rank}: parameters differ from the same training on gloo: {bad}"
         failed_on_gloo = sorted(case for case, ok in result["trained"].items() if not ok)
-        assert failed_on_gloo == [f"{ddp}/quantization_{kind}" for ddp in ("fastpar", "torch")
-                                  for kind in ("perchannel", "pertensor")], failed_on_gloo  # fmt: skip
+        assert failed_on_gloo == [
+            f"{ddp}/quantization_{kind}" for ddp in ("fastpar", "torch") for kind in ("perchannel", "pertensor")
+        ], failed_on_gloo
 
 
 def _callback_waits_for_a_collective_never_made(rank: int, world: int):

@@ -46,8 +46,15 @@ def test_cpu_plan_picks_fastpar_by_default_and_gloo_on_request(monkeypatch):
 def test_trainer_cpu_processes_reduce_through_shared_memory(tmp_path):
     record = tmp_path / "backend.json"
     x, y = torch.randn(64, 4, generator=torch.Generator().manual_seed(0)), torch.arange(64) % 2
-    options = TrainingOptions(execution_environment="cpu", devices=2, max_epochs=1, batch_size=8,
-                              progress_bar=False, output_dir=str(tmp_path), output_fns=[RecordBackend(str(record))])  # fmt: skip
+    options = TrainingOptions(
+        execution_environment="cpu",
+        devices=2,
+        max_epochs=1,
+        batch_size=8,
+        progress_bar=False,
+        output_dir=str(tmp_path),
+        output_fns=[RecordBackend(str(record))],
+    )
     Trainer(make_model, make_optimizer, torch.nn.functional.cross_entropy, (x, y), options=options).fit()
     seen = json.loads(record.read_text())
     assert seen == {"backend": "fastpar", "status": {"backend": "fastpar", "shm": True, "reason": ""}}

@@ -19,9 +19,31 @@ from fastpar.costmodel.perf_profile import Profile
 def calibrated(tmp_path_factory):
     """One small calibration shared by the tests below (2 ranks, tiny model, one round)."""
     out = tmp_path_factory.mktemp("calibrate")
-    argv = ["calibrate", "--nproc", "2", "--model", "tiny", "--batch", "16", "-b", "16K", "-e", "256K",
-            "-n", "1", "-w", "1", "--rounds", "2", "--caps", "0.25,1", "--profile", str(out / "profile.json"),
-            "--json", str(out / "calibrate.json")]  # fmt: skip
+    argv = [
+        "calibrate",
+        "--nproc",
+        "2",
+        "--model",
+        "tiny",
+        "--batch",
+        "16",
+        "-b",
+        "16K",
+        "-e",
+        "256K",
+        "-n",
+        "1",
+        "-w",
+        "1",
+        "--rounds",
+        "2",
+        "--caps",
+        "0.25,1",
+        "--profile",
+        str(out / "profile.json"),
+        "--json",
+        str(out / "calibrate.json"),
+    ]
     assert main(argv) == 0
     return out
 
@@ -55,15 +77,32 @@ def test_calibrate_writes_a_complete_profile(calibrated, capsys):
 def test_simulate_from_the_profile(calibrated, capsys):
     out = calibrated / "simulate.json"
     plot = calibrated / "simulate.png"
-    argv = ["simulate", "--profile", str(calibrated / "profile.json"), "--ranks", "1,2,8", "--caps", "1,auto",
-            "--json", str(out), "--plot", str(plot)]  # fmt: skip
+    argv = [
+        "simulate",
+        "--profile",
+        str(calibrated / "profile.json"),
+        "--ranks",
+        "1,2,8",
+        "--caps",
+        "1,auto",
+        "--json",
+        str(out),
+        "--plot",
+        str(plot),
+    ]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "validation torch_ddp cap 0.25 MB" in text and "goal: predicted step error <= 15% of measured" in text
     report = json.loads(out.read_text())
     rows = report["rows"]
-    assert [(r["ranks"], r["cap"]) for r in rows] == [(1, "1 MB"), (1, "auto"), (2, "1 MB"), (2, "auto"),
-                                                      (8, "1 MB"), (8, "auto")]  # fmt: skip
+    assert [(r["ranks"], r["cap"]) for r in rows] == [
+        (1, "1 MB"),
+        (1, "auto"),
+        (2, "1 MB"),
+        (2, "auto"),
+        (8, "1 MB"),
+        (8, "auto"),
+    ]
     for row in rows:
         assert 0 < row["efficiency"] <= 1.0 and row["step_ms"] > 0
     auto = {r["ranks"]: r["step_ms"] for r in rows if r["cap"] == "auto"}
@@ -75,8 +114,24 @@ def test_simulate_from_the_profile(calibrated, capsys):
 @pytest.mark.slow
 def test_simulate_on_a_preset_and_on_a_saved_topology(calibrated, tmp_path, capsys):
     profile = str(calibrated / "profile.json")
-    assert main(["simulate", "--profile", profile, "--preset", "h100-nvswitch-ib400", "--ranks", "8,1024",
-                 "--caps", "25", "--compute-scale", "0.01"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "simulate",
+                "--profile",
+                profile,
+                "--preset",
+                "h100-nvswitch-ib400",
+                "--ranks",
+                "8,1024",
+                "--caps",
+                "25",
+                "--compute-scale",
+                "0.01",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "predicted scaling on h100-nvswitch-ib400" in text and "1024    128" in text
     smi = tmp_path / "topo.txt"
@@ -86,8 +141,24 @@ def test_simulate_on_a_preset_and_on_a_saved_topology(calibrated, tmp_path, caps
     assert "ranks 16 skipped" in text  # 4 GPUs per node and no network speed known
     assert main(["simulate", "--profile", profile, "--topology", str(smi), "--ranks", "16", "--caps", "4"]) == 2
     assert "give --inter-gbps" in capsys.readouterr().err
-    assert main(["simulate", "--profile", profile, "--topology", str(smi), "--inter-gbps", "800", "--ranks", "16",
-                 "--caps", "4"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "simulate",
+                "--profile",
+                profile,
+                "--topology",
+                str(smi),
+                "--inter-gbps",
+                "800",
+                "--ranks",
+                "16",
+                "--caps",
+                "4",
+            ]
+        )
+        == 0
+    )
 
 
 def test_simulate_refuses_bad_input(tmp_path, capsys):

@@ -125,8 +125,10 @@ def test_choose_buckets_takes_the_reducers_records():
 def _decide_on_rank(rank: int, world_size: int) -> list[list[int]]:
     profile = small_profile(world_size)
     # rank 1 is slower for the first gradients: the decision must use the slowest rank's times
-    grads = [GradArrival(g.index, g.nbytes, g.dtype, g.ready_s * (3.0 if rank == 1 and g.index < 6 else 1.0))
-             for g in profile.timeline.grads]  # fmt: skip
+    grads = [
+        GradArrival(g.index, g.nbytes, g.dtype, g.ready_s * (3.0 if rank == 1 and g.index < 6 else 1.0))
+        for g in profile.timeline.grads
+    ]
     return decide_buckets(grads, profile)
 
 
@@ -135,8 +137,10 @@ def test_rank0_decision_is_broadcast_to_every_rank(no_process_group):
     results = spawn(_decide_on_rank, 2, timeout=240)
     assert results[0] == results[1]
     profile = small_profile(2)
-    slowest = [GradArrival(g.index, g.nbytes, g.dtype, g.ready_s * (3.0 if g.index < 6 else 1.0))
-               for g in profile.timeline.grads]  # fmt: skip
+    slowest = [
+        GradArrival(g.index, g.nbytes, g.dtype, g.ready_s * (3.0 if g.index < 6 else 1.0))
+        for g in profile.timeline.grads
+    ]
     assert results[0] == choose_buckets(slowest, profile, world_size=2).buckets
 
 

@@ -191,8 +191,9 @@ def test_changed_object_is_fetched_again_not_served_stale(s3, tmp_path):
     for seed, name in ((7, "a"), (8, "b")):
         make_image_folder(tmp_path / name, classes=2, per_class=2, size=(40, 30), seed=seed)
     for path in sorted((tmp_path / "a").rglob("*.jpg")):
-        client.put_object(Bucket="mutable", Key=f"train/{path.relative_to(tmp_path / 'a').as_posix()}",
-                          Body=path.read_bytes())  # fmt: skip
+        client.put_object(
+            Bucket="mutable", Key=f"train/{path.relative_to(tmp_path / 'a').as_posix()}", Body=path.read_bytes()
+        )
     before = torch.cat([x for x, _ in load("s3://mutable/train", train=False, cache_dir=tmp_path / "c")])
     changed = (tmp_path / "b" / "00_red" / "00000.jpg").read_bytes()
     client.put_object(Bucket="mutable", Key="train/00_red/00000.jpg", Body=changed)  # a new ETag
@@ -344,8 +345,13 @@ def test_permissions_and_credentials_are_reported_never_logged(auth_server, monk
 
 
 def make_model() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=2), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
-                               torch.nn.Flatten(), torch.nn.Linear(8, 4))  # fmt: skip
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, stride=2),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, 4),
+    )
 
 
 def make_optimizer(params) -> torch.optim.Optimizer:
@@ -356,11 +362,20 @@ def make_optimizer(params) -> torch.optim.Optimizer:
 def test_trainer_trains_from_a_bucket_with_a_shared_cache(s3, tmp_path):
     from fastpar.train import Trainer, TrainingOptions
 
-    options = TrainingOptions(execution_environment="cpu", devices=2, max_epochs=2, batch_size=4, image_size=SIZE,
-                              validation_data="s3://imgs/train", data_cache_dir=str(tmp_path / "cache"),
-                              output_dir=str(tmp_path / "out"), progress_bar=False)  # fmt: skip
-    result = Trainer(make_model, make_optimizer, torch.nn.functional.cross_entropy, "s3://imgs/train",
-                     options=options).fit()  # fmt: skip
+    options = TrainingOptions(
+        execution_environment="cpu",
+        devices=2,
+        max_epochs=2,
+        batch_size=4,
+        image_size=SIZE,
+        validation_data="s3://imgs/train",
+        data_cache_dir=str(tmp_path / "cache"),
+        output_dir=str(tmp_path / "out"),
+        progress_bar=False,
+    )
+    result = Trainer(
+        make_model, make_optimizer, torch.nn.functional.cross_entropy, "s3://imgs/train", options=options
+    ).fit()
     assert result.steps == 2 * 4 and result.last("val_accuracy") is not None
     gets = [p for m, p, _ in s3.requests() if m == "GET" and p.startswith("/imgs/train/")]
     assert len(gets) == len(set(gets)) == 36  # training and validation, both epochs: each object fetched once
@@ -370,8 +385,13 @@ def test_trainer_checks_the_url_before_launching(tmp_path):
     from fastpar.train import Trainer, TrainingOptions
 
     with pytest.raises(ValueError, match="not a valid S3 bucket name"):
-        Trainer(make_model, make_optimizer, torch.nn.functional.cross_entropy, "s3://Bad_Bucket/x",
-                options=TrainingOptions(output_dir=str(tmp_path))).fit()  # fmt: skip
+        Trainer(
+            make_model,
+            make_optimizer,
+            torch.nn.functional.cross_entropy,
+            "s3://Bad_Bucket/x",
+            options=TrainingOptions(output_dir=str(tmp_path)),
+        ).fit()
 
 
 @pytest.mark.slow
@@ -379,8 +399,30 @@ def test_bench_data_against_a_local_server(capsys, tmp_path):
     from fastpar.bench.cli import main
 
     json_path = tmp_path / "data.json"
-    code = main(["data", "--local-s3", "--count", "24", "--image-size", "64x48", "--size", "32", "--batch", "8",
-                 "--workers", "1", "--rounds", "1", "-n", "1", "-w", "0", "--json", str(json_path)])  # fmt: skip
+    code = main(
+        [
+            "data",
+            "--local-s3",
+            "--count",
+            "24",
+            "--image-size",
+            "64x48",
+            "--size",
+            "32",
+            "--batch",
+            "8",
+            "--workers",
+            "1",
+            "--rounds",
+            "1",
+            "-n",
+            "1",
+            "-w",
+            "0",
+            "--json",
+            str(json_path),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, out + err
     for row in ("local_torch", "s3_torch", "s3_cached_torch", "fetch_only"):
@@ -397,8 +439,25 @@ def test_bench_data_against_a_local_server(capsys, tmp_path):
 def test_bench_data_against_a_bucket_url(s3, capsys):
     from fastpar.bench.cli import main
 
-    code = main(["data", "--root", "s3://imgs/train", "--size", "32", "--batch", "8", "--workers", "1",
-                 "--rounds", "1", "-n", "1", "-w", "0"])  # fmt: skip
+    code = main(
+        [
+            "data",
+            "--root",
+            "s3://imgs/train",
+            "--size",
+            "32",
+            "--batch",
+            "8",
+            "--workers",
+            "1",
+            "--rounds",
+            "1",
+            "-n",
+            "1",
+            "-w",
+            "0",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, out + err
     assert "s3://imgs/train (36 images; local copy" in out and "s3_cached_torch" in out

@@ -183,8 +183,13 @@ def _auto_rank(rank: int, world_size: int, forced: bool) -> dict:
             return model
 
         ref = train(lambda m: wrap(m, torch_ddp), kind, rank, steps=14, **train_args)
-        got = train(lambda m: wrap(m, lambda mod, **kw: fastpar.DDP(mod, bucket_cap_mb="auto", **kw)), kind, rank,
-                    steps=14, **train_args)  # fmt: skip
+        got = train(
+            lambda m: wrap(m, lambda mod, **kw: fastpar.DDP(mod, bucket_cap_mb="auto", **kw)),
+            kind,
+            rank,
+            steps=14,
+            **train_args,
+        )
         reducer = models[-1].reducer
         out[name] = {
             "differ": [k for k in ref if not torch.equal(ref[k], got[k])],
@@ -304,7 +309,9 @@ def test_guide_example_runs_as_written():
     example = root / "examples" / "ddp_auto_buckets.py"
     guide = (root / "docs" / "guide" / "ddp.md").read_text()
     shown = re.search(r"```python\n(\"\"\"fastpar DDP choosing its own buckets.*?)```", guide, flags=re.S)
-    assert shown is not None and shown.group(1) == example.read_text(), "docs/guide/ddp.md shows examples/ddp_auto_buckets.py"
+    assert shown is not None and shown.group(1) == example.read_text(), (
+        "docs/guide/ddp.md shows examples/ddp_auto_buckets.py"
+    )
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     run = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=600, env=env, cwd=root)
     assert run.returncode == 0, run.stderr[-2000:]

@@ -239,8 +239,12 @@ def test_cuda_hook_futures_are_not_polled_but_works_are(no_process_group):
     bucket = reducer.buckets[0]
     work = dist.all_reduce(torch.zeros(4), async_op=True)
     work.wait()
-    for device, handle, expected in (("cpu", work.get_future(), "same"), ("cuda", work.get_future(), None),
-                                     ("cuda", work, "same"), ("cpu", work, "same")):  # fmt: skip
+    for device, handle, expected in (
+        ("cpu", work.get_future(), "same"),
+        ("cuda", work.get_future(), None),
+        ("cuda", work, "same"),
+        ("cpu", work, "same"),
+    ):
         reducer.device, bucket.work = torch.device(device), handle
         assert reducer._pollable(bucket) is (handle if expected == "same" else None)
     reducer.device, bucket.work = torch.device("cpu"), None

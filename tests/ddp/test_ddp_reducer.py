@@ -321,5 +321,9 @@ def _twice_rank(rank: int, world_size: int) -> dict:
 @pytest.mark.slow
 def test_gradient_twice_in_one_backward_is_named_and_static_graph_counts_it():
     for out in spawn(_twice_rank, 2, timeout=120):
-        assert "received a gradient twice" in out["dynamic"] and "shared." in out["dynamic"] and "static_graph=True" in out["dynamic"]
+        assert (
+            "received a gradient twice" in out["dynamic"]
+            and "shared." in out["dynamic"]
+            and "static_graph=True" in out["dynamic"]
+        )
         assert out["static"] == []  # static_graph learns the hook fires twice, as torch's reducer does

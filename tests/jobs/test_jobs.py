@@ -62,8 +62,16 @@ def train_params(config: dict, output_dir: str) -> dict[str, torch.Tensor]:
     """A real Trainer run in this process; the trained parameters."""
     x, y = _data(config["seed"])
     options = fastpar.TrainingOptions(
-        execution_environment="cpu", devices=1, max_epochs=config.get("epochs", 2), batch_size=32, seed=config["seed"],
-        validation_data=_data(99, 96), output_dir=output_dir, progress_bar=False, log_every=4)  # fmt: skip
+        execution_environment="cpu",
+        devices=1,
+        max_epochs=config.get("epochs", 2),
+        batch_size=32,
+        seed=config["seed"],
+        validation_data=_data(99, 96),
+        output_dir=output_dir,
+        progress_bar=False,
+        log_every=4,
+    )
     result = fastpar.Trainer(make_model, make_sgd, torch.nn.functional.cross_entropy, (x, y), options=options).fit()
     return {k: v.clone() for k, v in result.model.state_dict().items()}
 
@@ -81,8 +89,14 @@ def overlapping_trial(config: dict) -> dict:
     saw_other = len(list(barrier.iterdir())) >= 2
     start = time.time()
     params = train_params(config, str(jobs.job_dir()))
-    return {"start": start, "end": time.time(), "saw_other": saw_other, "cpus": sorted(os.sched_getaffinity(0)),
-            "threads": torch.get_num_threads(), "params": params}  # fmt: skip
+    return {
+        "start": start,
+        "end": time.time(),
+        "saw_other": saw_other,
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "threads": torch.get_num_threads(),
+        "params": params,
+    }
 
 
 def alone(rank: int, world_size: int, config: dict, output_dir: str) -> dict:
@@ -101,8 +115,16 @@ def fail_with(message: str) -> None:
 def long_cpu_training(output_dir: str) -> None:
     """A 2-process Trainer (elastic agent + workers) that runs far longer than the test waits."""
     x, y = _data(0, 4096)
-    options = fastpar.TrainingOptions(execution_environment="cpu", devices=2, max_epochs=10_000, batch_size=8,
-                                      output_dir=output_dir, progress_bar=False, log_every=1, ddp="torch")  # fmt: skip
+    options = fastpar.TrainingOptions(
+        execution_environment="cpu",
+        devices=2,
+        max_epochs=10_000,
+        batch_size=8,
+        output_dir=output_dir,
+        progress_bar=False,
+        log_every=1,
+        ddp="torch",
+    )
     fastpar.Trainer(make_model, make_sgd, torch.nn.functional.cross_entropy, (x, y), options=options).fit()
 
 
@@ -113,11 +135,15 @@ def test_sweep_runs_trials_at_once_on_disjoint_cores_bit_identical_to_alone_and_
         pytest.skip("needs 2 usable CPUs for two slots")
     barrier = tmp_path / "barrier"
     barrier.mkdir()
-    configs = [{"seed": 1, "barrier": str(barrier)}, {"seed": 2, "barrier": str(barrier)},
-               {"seed": 3, "barrier": str(barrier), "fail": True}]  # fmt: skip
+    configs = [
+        {"seed": 1, "barrier": str(barrier)},
+        {"seed": 2, "barrier": str(barrier)},
+        {"seed": 3, "barrier": str(barrier), "fail": True},
+    ]
     folder = tmp_path / "sweep"
-    result = fastpar.sweep(overlapping_trial, configs, folder=folder, cpus_per_trial=1, max_parallel=2,
-                           metric="val_loss", live=True)  # fmt: skip
+    result = fastpar.sweep(
+        overlapping_trial, configs, folder=folder, cpus_per_trial=1, max_parallel=2, metric="val_loss", live=True
+    )
 
     states = [r["state"] for r in result.records]
     assert states == ["COMPLETED", "COMPLETED", "FAILED"], result.records
@@ -147,8 +173,9 @@ def test_sweep_runs_trials_at_once_on_disjoint_cores_bit_identical_to_alone_and_
         marker.unlink()
     again = fastpar.sweep(overlapping_trial, configs, folder=folder, cpus_per_trial=1, live=False, plot=False)
     assert [r["state"] for r in again.records] == states
-    assert [json.loads((Path(r["folder"]) / "job.json").read_text())["cluster_job_id"]
-            for r in again.records[:2]] == trial_jobs  # fmt: skip
+    assert [
+        json.loads((Path(r["folder"]) / "job.json").read_text())["cluster_job_id"] for r in again.records[:2]
+    ] == trial_jobs
     assert again.results[0]["start"] == first["start"]
     assert list((folder / "trials").glob("*.attempt-1")), "the failed trial's first attempt is kept aside"
     assert not list(barrier.iterdir()), "no finished trial ran again"
@@ -197,8 +224,11 @@ def test_cancel_stops_a_running_trainer_and_every_process_it_started(jobs_dir, t
     assert len(before) >= 4, before  # controller, job process, and the Trainer's 2 workers (+ helpers)
     assert future.running()
     assert future.cancel() and future.cancelled() and future.state() == "CANCELLED"
-    alive = [p for p in before if (now := proctree.read_proc(p.pid)) is not None and now.alive
-             and now.start_ticks == p.start_ticks]  # fmt: skip
+    alive = [
+        p
+        for p in before
+        if (now := proctree.read_proc(p.pid)) is not None and now.alive and now.start_ticks == p.start_ticks
+    ]
     assert not alive, f"left running: {alive}"
     orphans = [p for p in proctree.snapshot().values() if p.session == leader and p.alive]
     assert not orphans, f"orphans of the job's session: {orphans}"
@@ -208,8 +238,9 @@ def test_cancel_stops_a_running_trainer_and_every_process_it_started(jobs_dir, t
 
 def starts_a_daemon(pid_file: str) -> None:
     """Starts a process in a session of its own whose parent exits at once (a daemon's double fork)."""
-    subprocess.run(["setsid", "sh", "-c", f"sleep 600 & echo $! > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}"],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        ["setsid", "sh", "-c", f"sleep 600 & echo $! > {pid_file}.tmp; mv {pid_file}.tmp {pid_file}"], check=True
+    )
     time.sleep(600)
 
 
@@ -260,12 +291,19 @@ def test_batch_job_outlives_its_submitter_and_is_fetched_by_id_in_a_fresh_proces
     script = tmp_path / "greet.py"
     script.write_text(SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    submitted = subprocess.run([sys.executable, "-c", SUBMITTER, str(script)], env=env, capture_output=True,
-                               text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    submitted = subprocess.run(
+        [sys.executable, "-c", SUBMITTER, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.split()[-1]
-    fetched = subprocess.run([sys.executable, "-c", FETCHER, job_id], env=env, capture_output=True, text=True,
-                             timeout=400, cwd=tmp_path)  # fmt: skip
+    fetched = subprocess.run(
+        [sys.executable, "-c", FETCHER, job_id], env=env, capture_output=True, text=True, timeout=400, cwd=tmp_path
+    )
     assert fetched.returncode == 0, fetched.stderr
     assert "STATE COMPLETED" in fetched.stdout and "script says hello" in fetched.stdout
 
@@ -333,8 +371,12 @@ def test_readme_examples_run_as_written(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "fastpar").write_text(f'#!/bin/sh\nexec {sys.executable} -m fastpar "$@"\n')  # the console script
     (bin_dir / "fastpar").chmod(0o755)
-    env = {**os.environ, "FASTPAR_JOBS_DIR": str(tmp_path / "jobs"), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    env = {
+        **os.environ,
+        "FASTPAR_JOBS_DIR": str(tmp_path / "jobs"),
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     examples = REPO / "examples"
 
     def run(command: str) -> str:
@@ -347,8 +389,10 @@ def test_readme_examples_run_as_written(tmp_path):
     assert "COMPLETED" in run(f"python {examples / 'jobs_sweep.py'}")  # again: read back, nothing rerun
     out = run(f"python {examples / 'jobs_submit.py'}")
     assert "done: " in out and "now CANCELLED" in out
-    out = run(f'id=$(python {examples / "jobs_batch.py"}) && fastpar jobs list && fastpar jobs result "$id" --wait '
-              f'&& fastpar jobs logs "$id"')  # fmt: skip
+    out = run(
+        f'id=$(python {examples / "jobs_batch.py"}) && fastpar jobs list && fastpar jobs result "$id" --wait '
+        f'&& fastpar jobs logs "$id"'
+    )
     assert "classifier" in out and "validation accuracy" in out
 
 
@@ -368,9 +412,20 @@ def test_sweep_record_and_table_show_the_same_epoch(tmp_path):
     from fastpar.train.trainer import TrainingResult
 
     # the last step a Trainer logs in its 4th (last) epoch: metrics.jsonl counts epochs from 0
-    step = {"state": "iteration", "epoch": 3, "iteration": 40, "loss": 0.5, "accuracy": 0.8, "val_loss": 0.6,
-            "val_accuracy": 0.75, "lr": 0.01, "elapsed": 3.0, "samples_per_s": 900.0, "max_epochs": 4,
-            "total_steps": 40}  # fmt: skip
+    step = {
+        "state": "iteration",
+        "epoch": 3,
+        "iteration": 40,
+        "loss": 0.5,
+        "accuracy": 0.8,
+        "val_loss": 0.6,
+        "val_accuracy": 0.75,
+        "lr": 0.01,
+        "elapsed": 3.0,
+        "samples_per_s": 900.0,
+        "max_epochs": 4,
+        "total_steps": 40,
+    }
     trainer_folder, report_folder = tmp_path / "trainer", tmp_path / "report"
     for folder, record in ((trainer_folder, step), (report_folder, {"time": 1.0, "epoch": 3, "value": 2.0})):
         folder.mkdir()

@@ -40,9 +40,20 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(nnodes: int, nproc: int, node_rank: int, port: int, run_id: str, out: Path) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
-               f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               f"--rdzv-id={run_id}", "--local-addr=127.0.0.1", str(SCRIPT), str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        f"--node-rank={node_rank}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        f"--rdzv-id={run_id}",
+        "--local-addr=127.0.0.1",
+        str(SCRIPT),
+        str(out),
+    ]
     return subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -99,9 +110,13 @@ def fake_slurm(tmp_path, monkeypatch) -> Path:
     bin_dir, record = tmp_path / "bin", tmp_path / "slurm"
     bin_dir.mkdir()
     record.mkdir()
-    tools = {"sbatch": FAKE_SBATCH, "srun": "#!/bin/sh\nexit 0\n", "sinfo": "#!/bin/sh\necho 'debug up'\n",
-             "sacct": "#!/bin/sh\necho 'JobID|State|NodeList'\n",
-             "scancel": '#!/bin/sh\necho "$@" >> "$FAKE_SLURM_DIR/scancel.log"\n'}  # fmt: skip
+    tools = {
+        "sbatch": FAKE_SBATCH,
+        "srun": "#!/bin/sh\nexit 0\n",
+        "sinfo": "#!/bin/sh\necho 'debug up'\n",
+        "sacct": "#!/bin/sh\necho 'JobID|State|NodeList'\n",
+        "scancel": '#!/bin/sh\necho "$@" >> "$FAKE_SLURM_DIR/scancel.log"\n',
+    }
     for name, text in tools.items():
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -132,24 +147,49 @@ def add(a: int, b: int) -> int:
 
 
 def test_sbatch_scripts_for_several_resource_requests(fake_slurm, tmp_path, monkeypatch):
-    one = fastpar.submit(add, 1, 2, cluster="slurm", resources={
-        "timeout_min": 30, "gpus_per_node": 1, "cpus_per_task": 8, "mem_gb": 32, "slurm_partition": "gpu"})  # fmt: skip
+    one = fastpar.submit(
+        add,
+        1,
+        2,
+        cluster="slurm",
+        resources={"timeout_min": 30, "gpus_per_node": 1, "cpus_per_task": 8, "mem_gb": 32, "slurm_partition": "gpu"},
+    )
     flags = _directives((fake_slurm / "sbatch-0.sh").read_text())
-    assert {k: flags[k] for k in ("job-name", "nodes", "gpus-per-node", "cpus-per-task", "mem", "time", "partition")} == {
-        "job-name": "add", "nodes": "1", "gpus-per-node": "1", "cpus-per-task": "8", "mem": "32GB", "time": "30",
-        "partition": "gpu"}  # fmt: skip
+    assert {
+        k: flags[k] for k in ("job-name", "nodes", "gpus-per-node", "cpus-per-task", "mem", "time", "partition")
+    } == {
+        "job-name": "add",
+        "nodes": "1",
+        "gpus-per-node": "1",
+        "cpus-per-task": "8",
+        "mem": "32GB",
+        "time": "30",
+        "partition": "gpu",
+    }
     assert one.record.cluster == "slurm" and one.record.cluster_job_id == "4200"
     assert _submitted_call(one) == (add, (1, 2))
 
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")
-    two = fastpar.batch(script, "--epochs", "3", nodes=2, gpus_per_node=8, cluster="slurm",
-                        resources={"timeout_min": 120, "slurm_account": "proj", "slurm_constraint": "h100"})  # fmt: skip
+    two = fastpar.batch(
+        script,
+        "--epochs",
+        "3",
+        nodes=2,
+        gpus_per_node=8,
+        cluster="slurm",
+        resources={"timeout_min": 120, "slurm_account": "proj", "slurm_constraint": "h100"},
+    )
     text = (fake_slurm / "sbatch-1.sh").read_text()
     flags = _directives(text)
     assert {k: flags[k] for k in ("nodes", "ntasks-per-node", "gpus-per-node", "time", "account", "constraint")} == {
-        "nodes": "2", "ntasks-per-node": "1", "gpus-per-node": "8", "time": "120", "account": "proj",
-        "constraint": "h100"}  # fmt: skip
+        "nodes": "2",
+        "ntasks-per-node": "1",
+        "gpus-per-node": "8",
+        "time": "120",
+        "account": "proj",
+        "constraint": "h100",
+    }
     command = text.strip().splitlines()[-1]
     assert command.startswith("srun --unbuffered --output") and "-m submitit.core._submit" in command
     assert "--cpu-bind=cores" in command and flags["cpus-per-task"] == "1"  # each task bound to the cores it asked for
@@ -159,8 +199,16 @@ def test_sbatch_scripts_for_several_resource_requests(fake_slurm, tmp_path, monk
     assert isinstance(agent, NodeAgent) and args == ()
     assert (agent.target, agent.args, agent.nproc_per_node) == (str(script.resolve()), ("--epochs", "3"), 8)
     # on node 1 of that job, the agent meets the others on the allocation's first host
-    slurm_env = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4201", "SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "2",
-                 "SLURM_NODEID": "1", "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    slurm_env = {
+        "SUBMITIT_EXECUTOR": "slurm",
+        "SLURM_JOB_ID": "4201",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_NODELIST": "gpu[07-08]",
+    }
     for key, value in slurm_env.items():
         monkeypatch.setenv(key, value)
     assert agent.rendezvous() == (2, f"gpu07:{rendezvous_port('4201')}", "fastpar-4201")
@@ -191,8 +239,10 @@ def _slurm_client_without_controller(tmp_path, monkeypatch) -> None:
     bin_dir = tmp_path / "client"
     bin_dir.mkdir()
     for name in ("sinfo", "sbatch", "srun", "squeue", "scontrol"):
-        (bin_dir / name).write_text("#!/bin/sh\necho 'slurm_load_partitions: Unable to contact slurm controller "
-                                    "(connect failure)' >&2\nexit 1\n")  # fmt: skip
+        (bin_dir / name).write_text(
+            "#!/bin/sh\necho 'slurm_load_partitions: Unable to contact slurm controller "
+            "(connect failure)' >&2\nexit 1\n"
+        )
         (bin_dir / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("FASTPAR_JOBS_DIR", str(tmp_path / "jobs"))
@@ -216,8 +266,18 @@ def test_auto_runs_locally_and_says_so_when_no_controller_answers(monkeypatch, t
     assert len(lines) == 1 and "running jobs on this machine" in lines[0], lines
 
 
-@pytest.mark.parametrize("resources", [{"cpus_per_task": 0}, {"cpus_per_task": -2}, {"mem_gb": -1}, {"mem_gb": 0},
-                                       {"gpus_per_node": -1}, {"timeout_min": 0}, {"slurm_cpus_per_gpu": -4}])
+@pytest.mark.parametrize(
+    "resources",
+    [
+        {"cpus_per_task": 0},
+        {"cpus_per_task": -2},
+        {"mem_gb": -1},
+        {"mem_gb": 0},
+        {"gpus_per_node": -1},
+        {"timeout_min": 0},
+        {"slurm_cpus_per_gpu": -4},
+    ],
+)
 def test_out_of_range_resources_are_refused_before_submitting(fake_slurm, resources):
     key = next(iter(resources))
     with pytest.raises(ValueError, match=f"{key} must"):

@@ -29,9 +29,10 @@ _PROBLEM = slurm.controller_problem()
 pytestmark = [
     pytest.mark.slurm,
     pytest.mark.timeout(600),
-    pytest.mark.skipif(_PROBLEM is not None, reason=f"no Slurm cluster to run on: {_PROBLEM} "
-                       "(scripts/slurm-up.sh starts one, as root)"),
-]  # fmt: skip
+    pytest.mark.skipif(
+        _PROBLEM is not None, reason=f"no Slurm cluster to run on: {_PROBLEM} (scripts/slurm-up.sh starts one, as root)"
+    ),
+]
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "cluster_train_script.py"
 SACCT_WARNING = "Bypassing sacct error"
@@ -63,8 +64,12 @@ def _in_squeue(job_id: str) -> bool:
 def where_am_i(config: dict) -> dict:
     import torch
 
-    return {"job": os.environ.get("SLURM_JOB_ID"), "cpus": sorted(os.sched_getaffinity(0)),
-            "threads": torch.get_num_threads(), "square": config["x"] ** 2}  # fmt: skip
+    return {
+        "job": os.environ.get("SLURM_JOB_ID"),
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "threads": torch.get_num_threads(),
+        "square": config["x"] ** 2,
+    }
 
 
 def reporting(steps: int, release: str) -> int:
@@ -88,8 +93,9 @@ def failing(message: str) -> None:
 # --- the tests ------------------------------------------------------------------------------------------
 def test_sweep_trials_are_slurm_jobs_on_their_own_cores(jobs_dir, tmp_path, capfd):
     configs = [{"x": 2}, {"x": 3}]
-    result = fastpar.sweep(where_am_i, configs, folder=tmp_path / "sweep", cluster="slurm", cpus_per_trial=1,
-                           live=False, plot=False)  # fmt: skip
+    result = fastpar.sweep(
+        where_am_i, configs, folder=tmp_path / "sweep", cluster="slurm", cpus_per_trial=1, live=False, plot=False
+    )
     assert [r["state"] for r in result.records] == ["COMPLETED", "COMPLETED"], result.records
     first, second = result.results
     assert first["square"] == 4 and second["square"] == 9
@@ -118,8 +124,10 @@ def test_batch_result_fetched_from_a_fresh_process(jobs_dir, tmp_path):
     script = tmp_path / "hello.py"
     script.write_text("import os, sys\nprint('hello from', os.environ['SLURM_JOB_ID'], sys.argv[1:])\n")
     job = fastpar.batch(script, "a", "b", cluster="slurm", resources={"timeout_min": 5})
-    fetch = ("import sys, fastpar.jobs as j; f = j.load(sys.argv[1]); v = f.result(timeout=180); "
-             "print('state', f.state(), 'value', v)")  # fmt: skip
+    fetch = (
+        "import sys, fastpar.jobs as j; f = j.load(sys.argv[1]); v = f.result(timeout=180); "
+        "print('state', f.state(), 'value', v)"
+    )
     done = subprocess.run([sys.executable, "-c", fetch, job.id], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     assert "state COMPLETED value None" in done.stdout
@@ -132,8 +140,9 @@ def test_cancel_takes_the_job_off_the_queue(jobs_dir):
     job_id = future.record.cluster_job_id
     _wait_for(lambda: future.state() == "RUNNING", 120, "the job running")
     assert _in_squeue(job_id)
-    done = subprocess.run([sys.executable, "-m", "fastpar", "jobs", "cancel", future.id], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "fastpar", "jobs", "cancel", future.id], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0 and f"job {future.id} cancelled" in done.stdout, done.stdout + done.stderr
     _wait_for(lambda: not _in_squeue(job_id), 60, f"job {job_id} leaving squeue")
     _wait_for(lambda: future.done(), 30, "the future seeing the cancel")
@@ -170,9 +179,18 @@ def test_a_job_over_its_time_limit_fails_naming_the_limit(jobs_dir):
 def _torchrun_reference(out: Path) -> dict[str, torch.Tensor]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(GLOO_SOCKET_IFNAME="lo", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={uuid.uuid4().hex}",
-               str(SCRIPT), str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--rdzv-id={uuid.uuid4().hex}",
+        str(SCRIPT),
+        str(out),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout + done.stderr
     return torch.load(out)
@@ -183,8 +201,9 @@ def test_batch_with_two_processes_runs_the_cluster_environment_under_srun(jobs_d
     if int(subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True).stdout.split()[0]) < 2:
         pytest.skip("needs a Slurm node with 2 CPUs")
     out = tmp_path / "params.pt"
-    job = fastpar.batch(SCRIPT, out, nodes=1, processes_per_node=2, cluster="slurm",
-                        resources={"cpus_per_task": 2, "timeout_min": 10})  # fmt: skip
+    job = fastpar.batch(
+        SCRIPT, out, nodes=1, processes_per_node=2, cluster="slurm", resources={"cpus_per_task": 2, "timeout_min": 10}
+    )
     assert job.record.num_tasks == 1 and job.record.result_from == "rank0"
     assert job.result(timeout=400) is None, job.logs()
     assert "saved rank 0's parameters" in job.logs()

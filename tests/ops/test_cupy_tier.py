@@ -261,11 +261,15 @@ def _ddp_rank(rank: int, world_size: int) -> dict:
                 loader.kernels_for = kernels_for
                 ops._last_served.clear()
                 got[impl] = train(
-                    lambda m, g=grad_dtype: fastpar.DDP(m, gradient_as_bucket_view=False, grad_dtype=g), kind, rank,
+                    lambda m, g=grad_dtype: fastpar.DDP(m, gradient_as_bucket_view=False, grad_dtype=g),
+                    kind,
+                    rank,
                     steps=5,
-                )  # fmt: skip
+                )
                 outcome[f"{kind}/{grad_dtype}/{impl} served by"] = ops.last_implementation("cpu")
-            outcome[f"{kind}/{grad_dtype}: cupy != torch ops"] = [k for k in got["cupy"] if not torch.equal(got["cupy"][k], got["torch"][k])]  # fmt: skip
+            outcome[f"{kind}/{grad_dtype}: cupy != torch ops"] = [
+                k for k in got["cupy"] if not torch.equal(got["cupy"][k], got["torch"][k])
+            ]
             if grad_dtype is None:
                 outcome[f"{kind}: cupy != torch DDP"] = [k for k in ref if not torch.equal(ref[k], got["cupy"][k])]
     outcome["launched"] = sorted({kernel for kernel, _, _ in launcher.launches})
@@ -362,8 +366,12 @@ def _gpu_ddp_rank(rank: int, world_size: int) -> dict:
             outcome[f"{ext}/{name} served by"] = ops.last_implementation(device)
         outcome[f"{ext} status"] = loader.ext_status()
     for name in ("views", "no_views"):
-        outcome[f"{name}: cupy != torch DDP"] = [k for k in reference if not torch.equal(reference[k], results["cupy", name][k])]  # fmt: skip
-    outcome["bf16: cupy != torch ops"] = [k for k in reference if not torch.equal(results["cupy", "bf16"][k], results["torch", "bf16"][k])]  # fmt: skip
+        outcome[f"{name}: cupy != torch DDP"] = [
+            k for k in reference if not torch.equal(reference[k], results["cupy", name][k])
+        ]
+    outcome["bf16: cupy != torch ops"] = [
+        k for k in reference if not torch.equal(results["cupy", "bf16"][k], results["torch", "bf16"][k])
+    ]
     return outcome
 
 

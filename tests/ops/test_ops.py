@@ -110,8 +110,29 @@ def test_pack(device, sizes, offset, src_dtype, out_dtype, scale):
 
 
 # Ties, subnormals, overflow to inf, signed zero, NaN: where a cast that is not round-to-nearest-even shows.
-SPECIAL = [0.0, -0.0, 1e-8, 6e-8, -3e-5, 1.0009765625, 1.00048828125, 2049.0, 65504.0, 65520.0, 7e4, 1e30, -1e-30,
-           3.4e38, float("inf"), float("-inf"), float("nan"), 1.00390625, 1.01171875, 257.0, -1.5]  # fmt: skip
+SPECIAL = [
+    0.0,
+    -0.0,
+    1e-8,
+    6e-8,
+    -3e-5,
+    1.0009765625,
+    1.00048828125,
+    2049.0,
+    65504.0,
+    65520.0,
+    7e4,
+    1e30,
+    -1e-30,
+    3.4e38,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    1.00390625,
+    1.01171875,
+    257.0,
+    -1.5,
+]
 
 
 @pytest.mark.parametrize("src_dtype,out_dtype", DTYPE_PAIRS)
@@ -262,22 +283,74 @@ def _error_cases(device):
     meta = torch.zeros(2, device="meta")
     where = torch.device(device) if device == "cpu" else x.device
     return [
-        (lambda: ops.pack([x], f64), TypeError, "pack: out has dtype torch.float64; supported dtypes are float32, float16 and bfloat16"),
-        (lambda: ops.pack([x, x.int()], torch.zeros(9, device=device)), TypeError, "pack: tensors[1] has dtype torch.int32; supported dtypes are float32, float16 and bfloat16"),
+        (
+            lambda: ops.pack([x], f64),
+            TypeError,
+            "pack: out has dtype torch.float64; supported dtypes are float32, float16 and bfloat16",
+        ),
+        (
+            lambda: ops.pack([x, x.int()], torch.zeros(9, device=device)),
+            TypeError,
+            "pack: tensors[1] has dtype torch.int32; supported dtypes are float32, float16 and bfloat16",
+        ),
         (lambda: ops.pack([[1.0]], x), TypeError, "pack: tensors[0] must be a torch.Tensor, got list"),
-        (lambda: ops.pack([x], x.view(2, 2)), ValueError, "pack: out must be 1-D, got shape (2, 2); pass buffer.view(-1)"),
-        (lambda: ops.pack([x[:1]], x[::2]), ValueError, "pack: out must be contiguous; pass out.contiguous() and copy back"),
-        (lambda: ops.pack([x, x[:1]], x), ValueError, "pack: out has 4 elements but the tensors hold 5; allocate out with at least 5 elements"),
-        (lambda: ops.pack([x[:1], meta], x), ValueError, f"pack: tensors[1] is on meta but out is on {where}; move them to one device"),
-        (lambda: ops.unpack(x.view(2, 2), [x]), ValueError, "unpack: flat must be 1-D, got shape (2, 2); pass buffer.view(-1)"),
-        (lambda: ops.unpack(x[:3], [x]), ValueError, "unpack: flat has 3 elements but the tensors hold 4; allocate flat with at least 4 elements"),
-        (lambda: ops.unpack(x, [f64]), TypeError, "unpack: tensors[0] has dtype torch.float64; supported dtypes are float32, float16 and bfloat16"),
+        (
+            lambda: ops.pack([x], x.view(2, 2)),
+            ValueError,
+            "pack: out must be 1-D, got shape (2, 2); pass buffer.view(-1)",
+        ),
+        (
+            lambda: ops.pack([x[:1]], x[::2]),
+            ValueError,
+            "pack: out must be contiguous; pass out.contiguous() and copy back",
+        ),
+        (
+            lambda: ops.pack([x, x[:1]], x),
+            ValueError,
+            "pack: out has 4 elements but the tensors hold 5; allocate out with at least 5 elements",
+        ),
+        (
+            lambda: ops.pack([x[:1], meta], x),
+            ValueError,
+            f"pack: tensors[1] is on meta but out is on {where}; move them to one device",
+        ),
+        (
+            lambda: ops.unpack(x.view(2, 2), [x]),
+            ValueError,
+            "unpack: flat must be 1-D, got shape (2, 2); pass buffer.view(-1)",
+        ),
+        (
+            lambda: ops.unpack(x[:3], [x]),
+            ValueError,
+            "unpack: flat has 3 elements but the tensors hold 4; allocate flat with at least 4 elements",
+        ),
+        (
+            lambda: ops.unpack(x, [f64]),
+            TypeError,
+            "unpack: tensors[0] has dtype torch.float64; supported dtypes are float32, float16 and bfloat16",
+        ),
         (lambda: ops.unpack(x, [x[:1], 3]), TypeError, "unpack: tensors[1] must be a torch.Tensor, got int"),
-        (lambda: ops.unpack(x, [meta]), ValueError, f"unpack: tensors[0] is on meta but flat is on {where}; move them to one device"),
-        (lambda: ops.norm_and_finite([x, f64]), TypeError, "norm_and_finite: flats[1] has dtype torch.float64; supported dtypes are float32, float16 and bfloat16"),
-        (lambda: ops.norm_and_finite([x, None]), TypeError, "norm_and_finite: flats[1] must be a torch.Tensor, got NoneType"),
-        (lambda: ops.norm_and_finite([x, meta]), ValueError, f"norm_and_finite: flats[1] is on meta but flats[0] is on {where}; move them to one device"),
-    ]  # fmt: skip
+        (
+            lambda: ops.unpack(x, [meta]),
+            ValueError,
+            f"unpack: tensors[0] is on meta but flat is on {where}; move them to one device",
+        ),
+        (
+            lambda: ops.norm_and_finite([x, f64]),
+            TypeError,
+            "norm_and_finite: flats[1] has dtype torch.float64; supported dtypes are float32, float16 and bfloat16",
+        ),
+        (
+            lambda: ops.norm_and_finite([x, None]),
+            TypeError,
+            "norm_and_finite: flats[1] must be a torch.Tensor, got NoneType",
+        ),
+        (
+            lambda: ops.norm_and_finite([x, meta]),
+            ValueError,
+            f"norm_and_finite: flats[1] is on meta but flats[0] is on {where}; move them to one device",
+        ),
+    ]
 
 
 def test_errors_name_the_problem_and_the_fix(device):

@@ -24,10 +24,18 @@ if __name__ == "__main__":
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 12, generator=g)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
-    options = fastpar.TrainingOptions(execution_environment="cluster", threads_per_process=1, max_epochs=2,
-                                      batch_size=16, progress_bar=False, output_dir=out + ".out", log_every=4)
-    result = fastpar.Trainer(make_model, make_optimizer, torch.nn.functional.cross_entropy, (x, y),
-                             options=options).fit()
+    options = fastpar.TrainingOptions(
+        execution_environment="cluster",
+        threads_per_process=1,
+        max_epochs=2,
+        batch_size=16,
+        progress_bar=False,
+        output_dir=out + ".out",
+        log_every=4,
+    )
+    result = fastpar.Trainer(
+        make_model, make_optimizer, torch.nn.functional.cross_entropy, (x, y), options=options
+    ).fit()
     if result.model is not None:  # rank 0
         torch.save(result.model.state_dict(), out)
         print(f"saved rank 0's parameters after {result.steps} steps to {out}", flush=True)

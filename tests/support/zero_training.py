@@ -40,8 +40,18 @@ def param_groups(module: torch.nn.Module, groups: str):
     return [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 3e-3}]
 
 
-def build(impl: str, kind: str, opt: str, *, groups: str = "one", grad_dtype=None, exchange: str = "auto",
-          overlap: bool = True, channels_last: bool = False, ddp_args: dict | None = None):  # fmt: skip
+def build(
+    impl: str,
+    kind: str,
+    opt: str,
+    *,
+    groups: str = "one",
+    grad_dtype=None,
+    exchange: str = "auto",
+    overlap: bool = True,
+    channels_last: bool = False,
+    ddp_args: dict | None = None,
+):
     """(wrapped model, optimizer) for ``impl`` in torch | fastpar | zero, from seed 0."""
     import fastpar
 
@@ -57,8 +67,9 @@ def build(impl: str, kind: str, opt: str, *, groups: str = "one", grad_dtype=Non
     model = fastpar.DDP(module, grad_dtype=grad_dtype, **ddp_args)
     if impl == "fastpar":
         return model, cls(param_groups(model.module, groups), **kwargs)
-    sharded = fastpar.ShardedOptimizer(model, cls, param_groups(model.module, groups), exchange=exchange,
-                                       overlap=overlap, **kwargs)  # fmt: skip
+    sharded = fastpar.ShardedOptimizer(
+        model, cls, param_groups(model.module, groups), exchange=exchange, overlap=overlap, **kwargs
+    )
     return model, sharded
 
 
@@ -68,9 +79,21 @@ def clip(impl: str, model, optimizer, max_norm: float, exact: bool = True) -> fl
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
 
 
-def train_steps(impl: str, model, optimizer, kind: str, gen: torch.Generator, rank: int, steps: int, *,
-                start: int = 0, max_norm: float | None = None, exact_clip: bool = True, channels_last: bool = False,
-                accumulate: int = 1) -> list[float]:  # fmt: skip
+def train_steps(
+    impl: str,
+    model,
+    optimizer,
+    kind: str,
+    gen: torch.Generator,
+    rank: int,
+    steps: int,
+    *,
+    start: int = 0,
+    max_norm: float | None = None,
+    exact_clip: bool = True,
+    channels_last: bool = False,
+    accumulate: int = 1,
+) -> list[float]:
     """``steps`` optimizer steps; returns the gradient norms when clipping."""
     norms = []
     for step in range(start, start + steps):
@@ -96,18 +119,48 @@ def params_of(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.items() if k in names}
 
 
-def run_case(rank: int, impl: str, kind: str, opt: str, *, steps: int = 20, max_norm: float | None = None,
-             exact_clip: bool = True, accumulate: int = 1, channels_last: bool = False,
-             **build_args) -> dict:  # fmt: skip
+def run_case(
+    rank: int,
+    impl: str,
+    kind: str,
+    opt: str,
+    *,
+    steps: int = 20,
+    max_norm: float | None = None,
+    exact_clip: bool = True,
+    accumulate: int = 1,
+    channels_last: bool = False,
+    **build_args,
+) -> dict:
     model, optimizer = build(impl, kind, opt, channels_last=channels_last, **build_args)
     gen = torch.Generator().manual_seed(100 + rank)  # inputs differ per rank
-    norms = train_steps(impl, model, optimizer, kind, gen, rank, steps, max_norm=max_norm, exact_clip=exact_clip,
-                        channels_last=channels_last, accumulate=accumulate)  # fmt: skip
+    norms = train_steps(
+        impl,
+        model,
+        optimizer,
+        kind,
+        gen,
+        rank,
+        steps,
+        max_norm=max_norm,
+        exact_clip=exact_clip,
+        channels_last=channels_last,
+        accumulate=accumulate,
+    )
     return {"params": params_of(model), "norms": norms}
 
 
-def resume_case(rank: int, impl: str, kind: str, opt: str, model_state: dict, optimizer_state: dict, *,
-                steps: int = 10, **build_args) -> dict:  # fmt: skip
+def resume_case(
+    rank: int,
+    impl: str,
+    kind: str,
+    opt: str,
+    model_state: dict,
+    optimizer_state: dict,
+    *,
+    steps: int = 10,
+    **build_args,
+) -> dict:
     """Load a model and a full optimizer state into a fresh ``impl`` run, train ``steps`` more steps."""
     model, optimizer = build(impl, kind, opt, **build_args)
     model.module.load_state_dict(model_state)

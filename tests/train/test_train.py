@@ -88,8 +88,17 @@ STEPS = 2 * (576 // (2 * 16))  # 2 epochs of 18 steps on 2 ranks x 16 samples
 
 
 def options(tmp: Path, **overrides) -> TrainingOptions:
-    base = dict(max_epochs=2, batch_size=16, execution_environment="cpu", devices=2, ddp="torch", log_every=4,
-                validation_data=VAL, output_dir=str(tmp / "out"), progress_bar=False)  # fmt: skip
+    base = dict(
+        max_epochs=2,
+        batch_size=16,
+        execution_environment="cpu",
+        devices=2,
+        ddp="torch",
+        log_every=4,
+        validation_data=VAL,
+        output_dir=str(tmp / "out"),
+        progress_bar=False,
+    )
     return TrainingOptions(**{**base, **overrides})
 
 
@@ -163,8 +172,14 @@ def test_resume_mid_run_from_a_dataloader_and_output_function_stops_every_rank(r
     shutil.copy(ckdir / "ckpt-000000012.pt", tmp_path / "ck")  # as if the run had stopped at step 12
     log = tmp_path / "calls.jsonl"
     loader = torch.utils.data.DataLoader(Blobs(576, seed=1), batch_size=16, shuffle=True)
-    resumed = fit(tmp_path, data=loader, output_fns=[StopAt(24, str(log))], checkpoint_dir=str(tmp_path / "ck"),
-                  checkpoint_every=8, resume=True)  # fmt: skip
+    resumed = fit(
+        tmp_path,
+        data=loader,
+        output_fns=[StopAt(24, str(log))],
+        checkpoint_dir=str(tmp_path / "ck"),
+        checkpoint_every=8,
+        resume=True,
+    )
     assert resumed.stopped_early and resumed.steps == 24 and resumed.history[-1]["epoch"] == 1
     at_24 = torch.load(ckdir / "ckpt-000000024.pt", weights_only=True)["model"]
     for name, value in resumed.model.state_dict().items():
@@ -193,8 +208,14 @@ def test_killed_worker_restarts_and_ends_bit_identical(reference, tmp_path):
 
 
 # --- one process, in this process -------------------------------------------------------------------
-def single(tmp: Path, model=make_model, optimizer=make_optimizer, loss_fn=torch.nn.functional.cross_entropy,
-           data=TRAIN, **overrides):  # fmt: skip
+def single(
+    tmp: Path,
+    model=make_model,
+    optimizer=make_optimizer,
+    loss_fn=torch.nn.functional.cross_entropy,
+    data=TRAIN,
+    **overrides,
+):
     opts = options(tmp, devices=1, **overrides)
     return Trainer(model, optimizer, loss_fn, data, options=opts).fit()
 
@@ -226,8 +247,15 @@ def test_regression_from_float64_numpy_arrays(tmp_path):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((512, 8))  # float64
     y = x @ np.arange(8.0)[:, None] + 0.01 * rng.standard_normal((512, 1))
-    result = single(tmp_path, make_regressor, make_optimizer, torch.nn.functional.mse_loss, (x, y),
-                    validation_data=(x[:128], y[:128]), max_epochs=3)  # fmt: skip
+    result = single(
+        tmp_path,
+        make_regressor,
+        make_optimizer,
+        torch.nn.functional.mse_loss,
+        (x, y),
+        validation_data=(x[:128], y[:128]),
+        max_epochs=3,
+    )
     assert result.history[-1]["loss"] < 0.01 * result.history[0]["loss"]
     assert result.last("val_loss") < 0.01 * y.var()
     assert all(r["accuracy"] is None for r in result.history) and result.last("val_accuracy") is None
@@ -242,8 +270,9 @@ def test_int32_numpy_labels_train_a_classifier(tmp_path):
 def test_stopped_run_resumes_and_corrupt_newest_checkpoint_is_skipped(tmp_path, capsys):
     uninterrupted = single(tmp_path / "u")
     ck = str(tmp_path / "ck")
-    stopped = single(tmp_path / "s", output_fns=[StopAt(40, str(tmp_path / "log"))], checkpoint_dir=ck,
-                     checkpoint_every=16)  # fmt: skip
+    stopped = single(
+        tmp_path / "s", output_fns=[StopAt(40, str(tmp_path / "log"))], checkpoint_dir=ck, checkpoint_every=16
+    )
     assert stopped.stopped_early and stopped.steps == 40
     assert [Path(p).name for p in stopped.checkpoints] == [f"ckpt-{s:09d}.pt" for s in (16, 32, 40)]
     newest = Path(stopped.checkpoints[-1])
@@ -269,15 +298,33 @@ def test_loaders_made_before_launch_are_sharded_per_rank():
     for given in (user_loader, array_loader(*TRAIN, 8)):
         shards = []
         for rank in range(2):
-            loader = make_loader(given, train=True, batch_size=99, rank=rank, world_size=2, seed=3,
-                                 image_size=None, threads=0, device=torch.device("cpu"))  # fmt: skip
+            loader = make_loader(
+                given,
+                train=True,
+                batch_size=99,
+                rank=rank,
+                world_size=2,
+                seed=3,
+                image_size=None,
+                threads=0,
+                device=torch.device("cpu"),
+            )
             assert len(loader) == len(given) // 2
             shards.append([y for _, ys in loader for y in ys.tolist()])
         assert all(len(s) == 8 * (len(given) // 2) for s in shards)
     ids = []
     for rank in range(2):  # the DataLoader's samples: disjoint across ranks
-        loader = make_loader(user_loader, train=False, batch_size=99, rank=rank, world_size=2, seed=3,
-                             image_size=None, threads=0, device=torch.device("cpu"))  # fmt: skip
+        loader = make_loader(
+            user_loader,
+            train=False,
+            batch_size=99,
+            rank=rank,
+            world_size=2,
+            seed=3,
+            image_size=None,
+            threads=0,
+            device=torch.device("cpu"),
+        )
         ids += [tuple(x.tolist()) for xs, _ in loader for x in xs]
     assert len(ids) == len(set(ids)) == 100
 
@@ -293,8 +340,9 @@ def test_bf16_grad_dtype_with_torch_ddp_works_on_gloo(tmp_path, no_process_group
     ddp = wrap_ddp(model, TrainingOptions(ddp="torch", grad_dtype=torch.bfloat16), torch.device("cpu"))
     x, y = TRAIN
     torch.nn.functional.cross_entropy(ddp(x[:64]), y[:64]).backward()
-    expected = torch.func.grad(lambda p: torch.nn.functional.cross_entropy(torch.func.functional_call(
-        model, p, (x[:64],)), y[:64]))(dict(model.named_parameters()))  # fmt: skip
+    expected = torch.func.grad(
+        lambda p: torch.nn.functional.cross_entropy(torch.func.functional_call(model, p, (x[:64],)), y[:64])
+    )(dict(model.named_parameters()))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, expected[name].to(torch.bfloat16).float(), rtol=0, atol=0)
         assert not torch.equal(p.grad, expected[name]), "the gradient was not reduced in bf16"

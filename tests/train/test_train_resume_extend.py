@@ -41,10 +41,17 @@ def data():
 
 def fit(tmp_path, epochs: int, resume: bool):
     opts = TrainingOptions(
-        max_epochs=epochs, batch_size=BATCH, execution_environment="cpu", devices=1, log_every=1,
-        progress_bar=False, output_dir=str(tmp_path / "out"), checkpoint_dir=str(tmp_path / "ckpt"), resume=resume,
+        max_epochs=epochs,
+        batch_size=BATCH,
+        execution_environment="cpu",
+        devices=1,
+        log_every=1,
+        progress_bar=False,
+        output_dir=str(tmp_path / "out"),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        resume=resume,
         lr_scheduler=functools.partial(one_cycle, total_steps=epochs * STEPS_PER_EPOCH),
-    )  # fmt: skip
+    )
     return Trainer(make_model, make_optimizer, torch.nn.functional.cross_entropy, data(), options=opts).fit()
 
 
@@ -93,8 +100,23 @@ def test_same_length_resume_restores_the_saved_schedule(tmp_path, capsys):
 
 
 def test_demo_extends_a_finished_run_and_then_has_nothing_to_do(tmp_path, capsys):
-    base = ["demo", "--dir", str(tmp_path / "demo"), "--environment", "cpu", "--devices", "1",
-            "--classes", "2", "--per-class", "16", "--batch-size", "4", "--image-size", "16"]  # fmt: skip
+    base = [
+        "demo",
+        "--dir",
+        str(tmp_path / "demo"),
+        "--environment",
+        "cpu",
+        "--devices",
+        "1",
+        "--classes",
+        "2",
+        "--per-class",
+        "16",
+        "--batch-size",
+        "4",
+        "--image-size",
+        "16",
+    ]
     assert cli.main([*base, "--epochs", "1"]) == 0
     out = capsys.readouterr().out
     assert f"to {tmp_path / 'demo'} (--dir)" in out.splitlines()[0] and "MB)" in out.splitlines()[0]
@@ -145,7 +167,9 @@ def test_demo_summary_says_this_calls_numbers_apart_from_the_whole_runs():
 
     fresh = TrainingResult(None, [], None, None, [], False, steps=60, elapsed=14.0)
     assert summary_line(fresh, 850.0, 2) == "throughput 850 samples/s on 2 process(es); 60 steps in 14.0 s of training"
-    resumed = TrainingResult(None, [], None, None, [], False, steps=120, elapsed=30.0, start_step=60, start_elapsed=14.0)
+    resumed = TrainingResult(
+        None, [], None, None, [], False, steps=120, elapsed=30.0, start_step=60, start_elapsed=14.0
+    )
     assert summary_line(resumed, 850.0, 2) == (
         "throughput 850 samples/s on 2 process(es); 60 steps in 16.0 s of training this time "
         "(resumed at step 60; the whole run: 120 steps in 30.0 s)"

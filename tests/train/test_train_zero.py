@@ -21,7 +21,11 @@ class WithUnusedLayer(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.first, self.unused, self.last = torch.nn.Linear(8, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, CLASSES)
+        self.first, self.unused, self.last = (
+            torch.nn.Linear(8, 32),
+            torch.nn.Linear(32, 32),
+            torch.nn.Linear(32, CLASSES),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.last(torch.relu(self.first(x)))
@@ -36,9 +40,19 @@ def one_cycle(optimizer, total_steps: int):
 
 
 def fit(tmp, model=make_model, **overrides):
-    base = dict(max_epochs=2, batch_size=16, execution_environment="cpu", devices=2, ddp="fastpar", log_every=4,
-                validation_data=VAL, output_dir=str(tmp / "out"), progress_bar=False, grad_clip_norm=0.5,
-                lr_scheduler=functools.partial(one_cycle, total_steps=STEPS))  # fmt: skip
+    base = dict(
+        max_epochs=2,
+        batch_size=16,
+        execution_environment="cpu",
+        devices=2,
+        ddp="fastpar",
+        log_every=4,
+        validation_data=VAL,
+        output_dir=str(tmp / "out"),
+        progress_bar=False,
+        grad_clip_norm=0.5,
+        lr_scheduler=functools.partial(one_cycle, total_steps=STEPS),
+    )
     options = TrainingOptions(**{**base, **overrides})
     return Trainer(model, make_adamw, torch.nn.functional.cross_entropy, TRAIN, options=options).fit()
 
@@ -94,8 +108,17 @@ def test_unused_parameter_trains_and_clipping_keeps_the_used_parameters_identica
     """A parameter no rank uses has no gradient: torch's clipping leaves it out of the total norm, so the sharded
     norm must too (an extra 0 among the norms changed the clip coefficient's last bit, and every used parameter
     after it). The unused layer itself is not stepped, under ZeRO as by torch's AdamW."""
-    runs = [fit(tmp_path / str(shard), model=WithUnusedLayer, max_epochs=1, find_unused_parameters=True,
-                shard_optimizer=shard, grad_clip_norm=0.05) for shard in (False, True)]  # fmt: skip
+    runs = [
+        fit(
+            tmp_path / str(shard),
+            model=WithUnusedLayer,
+            max_epochs=1,
+            find_unused_parameters=True,
+            shard_optimizer=shard,
+            grad_clip_norm=0.05,
+        )
+        for shard in (False, True)
+    ]
     plain, sharded = (run.model.state_dict() for run in runs)
     for name in plain:
         assert torch.equal(plain[name], sharded[name]), f"{name} differs"

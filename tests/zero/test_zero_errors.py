@@ -54,8 +54,10 @@ def test_adafactor_is_not_elementwise(group):
 
 def test_a_group_whose_hyperparameters_are_not_elementwise_is_named(group):
     model = fastpar.DDP(mlp())
-    groups = [{"params": [model.module[0].weight, model.module[0].bias]},
-              {"params": [model.module[2].weight, model.module[2].bias], "trust": True}]  # fmt: skip
+    groups = [
+        {"params": [model.module[0].weight, model.module[0].bias]},
+        {"params": [model.module[2].weight, model.module[2].bias], "trust": True},
+    ]
     with pytest.raises(ValueError, match=r"param group 1 \(2.weight, 2.bias\) with TrustRatioSGD: stepping one flat"):
         fastpar.ShardedOptimizer(model, TrustRatioSGD, groups)
     fastpar.ShardedOptimizer(model, TrustRatioSGD, [{**groups[1], "trust": False}, groups[0]])  # elementwise: fine

@@ -59,9 +59,16 @@ def test_the_model_distinguishes_orders():  # the check above could not pass by 
 
 @pytest.mark.parametrize(
     "numel, itemsize, expected",
-    [(2, 4, 2), (7, 4, 4), (31, 4, 12), (1000, 4, 334), (3001, 4, 1002), (6_553_601, 4, 2_184_534),
-     (10_000_001, 4, 3_333_343)],
-)  # fmt: skip
+    [
+        (2, 4, 2),
+        (7, 4, 4),
+        (31, 4, 12),
+        (1000, 4, 334),
+        (3001, 4, 1002),
+        (6_553_601, 4, 2_184_534),
+        (10_000_001, 4, 3_333_343),
+    ],
+)
 def test_chunk_sizes_seen_from_gloo(numel, itemsize, expected):
     assert chunk_numel(numel, 3, itemsize) == expected
 

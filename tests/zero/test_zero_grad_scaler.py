@@ -52,8 +52,11 @@ def _rank(rank: int, world_size: int, clip: bool) -> dict:
             scaler.update()
             scales.append(scaler.get_scale())
         state = model.module.state_dict()  # waits for ZeRO's last all-gather
-        out[impl] = {"params": [state[n].clone() for n, _ in module.named_parameters()], "scales": scales,
-                     "norms": norms}  # fmt: skip
+        out[impl] = {
+            "params": [state[n].clone() for n, _ in module.named_parameters()],
+            "scales": scales,
+            "norms": norms,
+        }
     return out
 
 
@@ -66,6 +69,9 @@ def test_sharded_grad_scaler_matches_torch_ddp_with_grad_scaler(world_size, clip
         assert torch_run["scales"][OVERFLOW_STEP] == torch_run["scales"][OVERFLOW_STEP - 1] / 2  # the step was skipped
         assert zero_run["scales"] == torch_run["scales"], f"rank {rank}"
         assert list(map(repr, zero_run["norms"])) == list(map(repr, torch_run["norms"])), f"rank {rank}"  # nan too
-        differ = [i for i, (a, b) in enumerate(zip(torch_run["params"], zero_run["params"], strict=True))
-                  if not torch.equal(a, b)]  # fmt: skip
+        differ = [
+            i
+            for i, (a, b) in enumerate(zip(torch_run["params"], zero_run["params"], strict=True))
+            if not torch.equal(a, b)
+        ]
         assert differ == [], f"rank {rank}: parameters {differ} differ from torch DDP + GradScaler"

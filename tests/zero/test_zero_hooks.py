@@ -24,8 +24,14 @@ class Net(nn.Module):
 
 def _gate():
     net = Net()
-    bucket_of = {id(net.a.weight): 2, id(net.a.bias): 2, id(net.b.weight): 1, id(net.b.bias): 0,
-                 id(net.scale.weight): 3, id(net.scale.bias): 3}  # fmt: skip
+    bucket_of = {
+        id(net.a.weight): 2,
+        id(net.a.bias): 2,
+        id(net.b.weight): 1,
+        id(net.b.bias): 0,
+        id(net.scale.weight): 3,
+        id(net.scale.bias): 3,
+    }
     calls: list[tuple[str, list[int]]] = []
     current = {"where": ""}
 

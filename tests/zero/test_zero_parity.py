@@ -45,7 +45,7 @@ EXACT = {
         "adamw",
         {"ddp_args": {"bucket_cap_mb": 0.004}, "max_norm": 0.5},
         "torch",
-    ),  # fmt: skip
+    ),
     "mlp_adamw_static_graph": ("mlp", "adamw", {"ddp_args": {"static_graph": True}}, "torch"),
     "mlp_adamw_no_sync_accumulation": ("mlp", "adamw", {"accumulate": 2}, "torch"),
     "mlp_sgd_no_overlap": ("mlp", "sgd", {"overlap": False}, "torch"),

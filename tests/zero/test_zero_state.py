@@ -45,8 +45,9 @@ def _two_ranks(rank: int, world_size: int) -> dict:
 
     warnings.filterwarnings("ignore")
     plain_model, plain = build("torch", KIND, OPT, **BUILD)
-    train_steps("torch", plain_model, plain, KIND, torch.Generator().manual_seed(100 + rank), rank, 10,
-                channels_last=True)  # fmt: skip
+    train_steps(
+        "torch", plain_model, plain, KIND, torch.Generator().manual_seed(100 + rank), rank, 10, channels_last=True
+    )
     model, sharded = build("zero", KIND, OPT, **BUILD)
     train_steps("zero", model, sharded, KIND, torch.Generator().manual_seed(100 + rank), rank, 10, channels_last=True)
 

@@ -151,9 +151,16 @@ def case_call(rank: int, world_size: int, name: str, nbytes: int, dtype: str = "
 
 
 def check_and_time(
-    name: str, nbytes: int, dtype: torch.dtype, device: torch.device, rank: int, world_size: int, plan: Plan,
-    *, timed: bool = True,
-) -> tuple[CollectiveCase, int, float | None]:  # fmt: skip
+    name: str,
+    nbytes: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    plan: Plan,
+    *,
+    timed: bool = True,
+) -> tuple[CollectiveCase, int, float | None]:
     """One collective at one size: check every element against the exact result (all ranks agree on the
     count of wrong ones), then, when right and ``timed``, time it on zeroed buffers (slowest rank's median).
     Returns ``(case, wrong elements summed over ranks, seconds or None)``."""

@@ -95,8 +95,15 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext) -> BenchReport | N
             each.out.zero_()
         seconds = launch.time_on_all_ranks({key: each.call for key, each in cases.items()}, plan, device)
         algbw = bandwidth_gbs(case.nbytes, seconds["op"])
-        row = dict(size=case.nbytes, count=case.count, dtype=dtype_name(dtype), time_us=seconds["op"] * 1e6,
-                   algbw=algbw, busbw=algbw * bus_factor(name, world_size), wrong=wrong)  # fmt: skip
+        row = dict(
+            size=case.nbytes,
+            count=case.count,
+            dtype=dtype_name(dtype),
+            time_us=seconds["op"] * 1e6,
+            algbw=algbw,
+            busbw=algbw * bus_factor(name, world_size),
+            wrong=wrong,
+        )
         if "gloo" in seconds:
             row.update(gloo_us=seconds["gloo"] * 1e6, x_gloo=seconds["gloo"] / seconds["op"])
         rows.append(row)
@@ -184,7 +191,7 @@ def _report(ctx: BenchContext, world_size: int, device: torch.device, rows: list
             "bus_factor": factor,
             "world_size": world_size,
             "backend": ctx.backend,
-        },  # fmt: skip
+        },
         plot=PlotSpec("line", "size", "busbw" if world_size > 1 else "algbw", ylabel="GB/s"),
     )
 

@@ -53,10 +53,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--count", type=int, default=600, help="images to generate (default 600)")
     group.add_argument("--image-size", default="500x375", help="generated image WIDTHxHEIGHT (default 500x375)")
     group.add_argument("--images", help="use this class-folder of JPEGs instead of generating one")
-    group.add_argument("--root", help="a class folder, or an object-store URL (s3://bucket/prefix): reading it is "
-                       "timed against a local copy of it")  # fmt: skip
-    group.add_argument("--local-s3", action="store_true", help="serve the generated images from a local moto S3 "
-                       "server and read them from it, against the local folder")  # fmt: skip
+    group.add_argument(
+        "--root",
+        help="a class folder, or an object-store URL (s3://bucket/prefix): reading it is "
+        "timed against a local copy of it",
+    )
+    group.add_argument(
+        "--local-s3",
+        action="store_true",
+        help="serve the generated images from a local moto S3 server and read them from it, against the local folder",
+    )
     group.add_argument("--workers", type=int, default=2, help="DALI threads = DataLoader workers (default 2)")
     group.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     group.add_argument("--size", type=int, default=224, help="crop size (default 224)")
@@ -116,8 +122,16 @@ def _pipelines(
     folder = scan_image_folder(root)
 
     def loader_epoch(backend: str) -> Callable[[], int]:
-        loader = image_loader(root, flags.batch, size=flags.size, backend=backend, num_threads=flags.workers,
-                              device=device, rank=0, world_size=1)  # fmt: skip
+        loader = image_loader(
+            root,
+            flags.batch,
+            size=flags.size,
+            backend=backend,
+            num_threads=flags.workers,
+            device=device,
+            rank=0,
+            world_size=1,
+        )
         epoch = iter(range(1 << 30))
 
         def run_epoch() -> int:
@@ -136,8 +150,14 @@ def _pipelines(
     if available("nvidia.dali"):
         from ...data.dali_backend import bare_pipeline
 
-        pipe = bare_pipeline(folder.files, folder.labels, flags.batch, flags.workers, size=flags.size,
-                             device_id=device.index if device.type == "cuda" else None)  # fmt: skip
+        pipe = bare_pipeline(
+            folder.files,
+            folder.labels,
+            flags.batch,
+            flags.workers,
+            size=flags.size,
+            device_id=device.index if device.type == "cuda" else None,
+        )
         steps = math.ceil(len(folder.files) / flags.batch)
 
         def bare_epoch() -> int:
@@ -170,8 +190,9 @@ def run(ctx: BenchContext) -> BenchReport:
         data_remote.check(ctx)
         torch.set_num_threads(ctx.threads)
         return data_remote.run(ctx, device, lambda: image_folder(None, flags.count, flags.image_size))
-    root = image_folder(flags.images or flags.root, flags.count, flags.image_size,
-                        "--images" if flags.images else "--root")  # fmt: skip
+    root = image_folder(
+        flags.images or flags.root, flags.count, flags.image_size, "--images" if flags.images else "--root"
+    )
     torch.set_num_threads(ctx.threads)
     calls, produced, notes = _pipelines(root, flags, device)
     for name, call in calls.items():  # correctness first: every pipeline yields the whole folder
@@ -214,10 +235,16 @@ def _report(
     rows = []
     for name in samples:
         rows.append(
-            dict(pipeline=name, images=produced[name], threads=flags.workers, images_per_s=rate[name],
-                 cpu_percent=cpu[name], vs_bare=rate[name] / rate["dali_bare"] if "dali_bare" in rate else None,
-                 vs_torch=rate[name] / rate["fastpar_torch"])
-        )  # fmt: skip
+            dict(
+                pipeline=name,
+                images=produced[name],
+                threads=flags.workers,
+                images_per_s=rate[name],
+                cpu_percent=cpu[name],
+                vs_bare=rate[name] / rate["dali_bare"] if "dali_bare" in rate else None,
+                vs_torch=rate[name] / rate["fastpar_torch"],
+            )
+        )
     return BenchReport(
         benchmark="data",
         title=f"image loading, decode + random resized crop {flags.size} + flip + normalise",

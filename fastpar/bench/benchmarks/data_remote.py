@@ -93,8 +93,9 @@ def run(ctx: BenchContext, device: torch.device, local_folder: Callable[[], Path
             loaders[f"s3_cached_{b}"] = image_loader(url, flags.batch, backend=b, cache_dir=work / "cache", **common)
         if "dali" in backends:
             try:
-                loaders["s3_dali_reader"] = image_loader(url, flags.batch, backend="dali",
-                                                         storage=StoreOptions(reader="dali"), **common)  # fmt: skip
+                loaders["s3_dali_reader"] = image_loader(
+                    url, flags.batch, backend="dali", storage=StoreOptions(reader="dali"), **common
+                )
             except ValueError as exc:  # no S3 in this DALI, a non-S3 URL, another endpoint in this process
                 notes.append(f"s3_dali_reader skipped: {exc}")
         calls = {name: _epochs(loader, name, flags.size) for name, loader in loaders.items()}
@@ -109,8 +110,15 @@ def run(ctx: BenchContext, device: torch.device, local_folder: Callable[[], Path
                 gets = server.object_gets() if server else 0
                 wall, cpu, srv = time.perf_counter(), cpu_seconds(), _server_cpu(server)
                 images = call(ctx.iters)
-                samples[name].append((time.perf_counter() - wall, cpu_seconds() - cpu, _server_cpu(server) - srv,
-                                      images, (server.object_gets() - gets) if server else -1))  # fmt: skip
+                samples[name].append(
+                    (
+                        time.perf_counter() - wall,
+                        cpu_seconds() - cpu,
+                        _server_cpu(server) - srv,
+                        images,
+                        (server.object_gets() - gets) if server else -1,
+                    )
+                )
                 if name.startswith("s3_cached") and server and samples[name][-1][4] > 0:
                     raise WrongResultError(f"{name}: {samples[name][-1][4]} GETs reached the server; the cache missed")
         return _report(ctx, url, root, device, samples, loaders, server is not None, notes)
@@ -206,10 +214,16 @@ def _report(
     for name in samples:
         backend = "dali" if "dali" in name else "torch" if "torch" in name else None
         local = rate.get(f"local_{backend}") if backend else None
-        rows.append(dict(pipeline=name, images_per_s=rate[name], cpu_percent=cpu[name],
-                         server_cpu_percent=srv[name] if local_server else None,
-                         gets=gets[name] if local_server else None,
-                         vs_local=rate[name] / local if local else None))  # fmt: skip
+        rows.append(
+            dict(
+                pipeline=name,
+                images_per_s=rate[name],
+                cpu_percent=cpu[name],
+                server_cpu_percent=srv[name] if local_server else None,
+                gets=gets[name] if local_server else None,
+                vs_local=rate[name] / local if local else None,
+            )
+        )
     images = len(loaders[next(iter(loaders))].folder)
     return BenchReport(
         benchmark="data",

@@ -197,9 +197,16 @@ def _report(
     for name, t in seconds.items():
         tensors = 1 if name == "single" else flags.count
         rows.append(
-            dict(variant=name, tensors=tensors, bytes=nbytes, time_ms=t * 1e3, algbw=bandwidth_gbs(nbytes, t),
-                 share_of_single=single / t, vs_torch_coalesced=(t / peer) if peer else None)
-        )  # fmt: skip
+            dict(
+                variant=name,
+                tensors=tensors,
+                bytes=nbytes,
+                time_ms=t * 1e3,
+                algbw=bandwidth_gbs(nbytes, t),
+                share_of_single=single / t,
+                vs_torch_coalesced=(t / peer) if peer else None,
+            )
+        )
     columns = [
         Column("variant", "variant", 17),
         Column("tensors", "tensors", 8),

@@ -199,9 +199,16 @@ def _report(ctx: BenchContext, in_dtype, out_dtype, measured, device, notes) -> 
         for (direction, impl), t in seconds.items():
             floor = seconds[(direction, "memcpy")]
             rows.append(
-                dict(shape=shape, op=direction, impl=impl, time_us=t * 1e6, gbs=bandwidth_gbs(moved, t),
-                     of_memcpy=floor / t, bytes=moved)
-            )  # fmt: skip
+                dict(
+                    shape=shape,
+                    op=direction,
+                    impl=impl,
+                    time_us=t * 1e6,
+                    gbs=bandwidth_gbs(moved, t),
+                    of_memcpy=floor / t,
+                    bytes=moved,
+                )
+            )
         for direction, impl in (("pack", "fastpar.pack"), ("unpack", "fastpar.unpack")):
             key, ours = f"{direction} {shape}", seconds[(direction, impl)]
             shares[key] = seconds[(direction, "memcpy")] / ours
@@ -249,6 +256,6 @@ def _report(ctx: BenchContext, in_dtype, out_dtype, measured, device, notes) -> 
             "worst_of_memcpy": worst,
             "ext_backend": status["backend"],
             "tier_of_memcpy": tier_shares,
-        },  # fmt: skip
+        },
         plot=PlotSpec("bar", "impl", "of_memcpy", series="shape", ylabel="bandwidth as a share of memcpy"),
     )

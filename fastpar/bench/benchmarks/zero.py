@@ -79,8 +79,9 @@ class Trainee:
             else:
                 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-                self.optimizer = ZeroRedundancyOptimizer(self.model.parameters(), torch.optim.AdamW, lr=LR,
-                                                         weight_decay=WEIGHT_DECAY)  # fmt: skip
+                self.optimizer = ZeroRedundancyOptimizer(
+                    self.model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY
+                )
         else:
             self.model = DistributedDataParallel(module, device_ids=device_ids)
             if variant == "ddp_fastpar":
@@ -177,10 +178,18 @@ def _report(ctx: BenchContext, settings: ZeroSettings, world_size: int, seconds:
         floor, peer = times["no_comm"], times["ddp"]
         for variant in VARIANTS:
             t = times[variant]
-            rows.append(dict(model=model_name, variant=variant, step_ms=t * 1e3, x_floor=t / floor, x_ddp=t / peer,
-                             x_ddp_fastpar=t / times["ddp_fastpar"],
-                             state_mib=max(mem[variant]) / 2**20,
-                             per_rank=" ".join(f"{b / 2**20:.2f}" for b in mem[variant])))  # fmt: skip
+            rows.append(
+                dict(
+                    model=model_name,
+                    variant=variant,
+                    step_ms=t * 1e3,
+                    x_floor=t / floor,
+                    x_ddp=t / peer,
+                    x_ddp_fastpar=t / times["ddp_fastpar"],
+                    state_mib=max(mem[variant]) / 2**20,
+                    per_rank=" ".join(f"{b / 2**20:.2f}" for b in mem[variant]),
+                )
+            )
         flags = floor_flags(model_name, times)
         footer += [f"beyond a bound: {flag}" for flag in flags.values()]
         goals.append(_state_goal(model_name, mem, world_size))
@@ -202,7 +211,7 @@ def _report(ctx: BenchContext, settings: ZeroSettings, world_size: int, seconds:
             world_size,
             settings.batch,
             optimizer=f"AdamW(lr={LR}, weight_decay={WEIGHT_DECAY}); state = its tensors (exp_avg, exp_avg_sq, step)",
-        ),  # fmt: skip
+        ),
         footer=footer,
         goals=goals,
         summary={

@@ -108,8 +108,9 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: Calibrat
     device = launch.rank_device(ctx.backend)
     plan = ctx.plan
     measure_collectives(["allreduce"], ctx.sizes, device, rank, world_size, plan, timed=False)  # checked only
-    tables = measure_collectives([op for op in settings.ops if op != "allreduce"], ctx.sizes, device, rank,
-                                 world_size, plan)  # fmt: skip
+    tables = measure_collectives(
+        [op for op in settings.ops if op != "allreduce"], ctx.sizes, device, rank, world_size, plan
+    )
     build, make_input = _model_factory(settings.model, settings.batch)
     batch = make_input(torch.Generator().manual_seed(100 + rank)).to(device)
     model = build().to(device)
@@ -142,8 +143,10 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: Calibrat
     contention = trial.result(skip=plan.warmup) if trial else {"compute_slowdown": 0.0, "wire_slowdown": 0.0}
     if rank != 0:
         return None
-    tables = {"allreduce": CollectiveTable([int(n.split("_")[1]) for n in allreduces], [seconds[n] for n in allreduces]),
-              **tables}  # fmt: skip
+    tables = {
+        "allreduce": CollectiveTable([int(n.split("_")[1]) for n in allreduces], [seconds[n] for n in allreduces]),
+        **tables,
+    }
     grad_bytes = sum(g.nbytes for g in timeline.grads)
     steps = {"no_comm": None} | {f"ddp_cap_{cap:g}mb": cap for cap in settings.caps}
     profile = Profile(
@@ -188,9 +191,16 @@ def _report(ctx: BenchContext, settings: CalibrateSettings, profile: Profile, pr
         fitted = profile.fitted_fabric(op)
         for nbytes, seconds in zip(table.nbytes, table.seconds, strict=True):
             model = ring_seconds(op, nbytes, profile.world_size, fitted)
-            rows.append(dict(kind=op, item=format_bytes(nbytes), measured_ms=seconds * 1e3, model_ms=model * 1e3,
-                             error=model / seconds - 1, detail=f"fit: alpha {alpha * 1e6:.1f} us/step, "
-                             f"busbw {1 / beta / 1e9:.3g} GB/s"))  # fmt: skip
+            rows.append(
+                dict(
+                    kind=op,
+                    item=format_bytes(nbytes),
+                    measured_ms=seconds * 1e3,
+                    model_ms=model * 1e3,
+                    error=model / seconds - 1,
+                    detail=f"fit: alpha {alpha * 1e6:.1f} us/step, busbw {1 / beta / 1e9:.3g} GB/s",
+                )
+            )
     grad_bytes = profile.model["gradient_bytes"]
     for name, gbs in profile.moves_gbs.items():
         rows.append(dict(kind="move", item=name, measured_ms=grad_bytes / gbs / 1e6, detail=f"{gbs:.3g} GB/s"))
@@ -201,8 +211,16 @@ def _report(ctx: BenchContext, settings: CalibrateSettings, profile: Profile, pr
         rows.append(dict(kind="contention", item=name, detail=f"{profile.contention[name]:.3f}"))
     checks = validate(profile)
     for check in checks:
-        rows.append(dict(kind="step", item=check.name, measured_ms=check.measured * 1e3, model_ms=check.predicted * 1e3,
-                         error=check.error, detail=check.detail))  # fmt: skip
+        rows.append(
+            dict(
+                kind="step",
+                item=check.name,
+                measured_ms=check.measured * 1e3,
+                model_ms=check.predicted * 1e3,
+                error=check.error,
+                detail=check.detail,
+            )
+        )
     footer = [
         f"profile: {profile_path} ({len(t.grads)} gradients, {format_bytes(grad_bytes)}; "
         f"predict with: fastpar bench simulate --profile {profile_path})",

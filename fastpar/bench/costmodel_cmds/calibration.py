@@ -35,8 +35,16 @@ CONTENTION_BUCKET_BYTES = 4 << 20  # the all-reduce kept on the wire while backw
 MAX_SLOWDOWN = 10.0  # a slowdown estimate beyond 10x (10% speed) is noise from other jobs, not contention
 
 
-def measure_collectives(names: Sequence[str], sizes: Sequence[int], device: torch.device, rank: int,
-                        world_size: int, plan: Plan, *, timed: bool = True) -> dict[str, CollectiveTable]:  # fmt: skip
+def measure_collectives(
+    names: Sequence[str],
+    sizes: Sequence[int],
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    plan: Plan,
+    *,
+    timed: bool = True,
+) -> dict[str, CollectiveTable]:
     """float32 ``names`` at ``sizes`` (bytes, nccl-tests' convention), each size checked element by element
     and, with ``timed``, timed; a wrong result raises WrongResultError on every rank alike."""
     tables = {}
@@ -89,8 +97,15 @@ class ContentionTrial:
     compute_slowdown = b'/b - 1. While both ran (b' seconds) the wire did b'/(1 + k_w) of its work and the
     rest alone afterwards: w' = b' + w - b'/(1 + k_w), so 1 + k_w = b' / (b' + w - w')."""
 
-    def __init__(self, model: torch.nn.Module, batch: torch.Tensor, loss_fn: Callable, device: torch.device,
-                 backward_s: float, allreduce_4mb_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch: torch.Tensor,
+        loss_fn: Callable,
+        device: torch.device,
+        backward_s: float,
+        allreduce_4mb_s: float,
+    ) -> None:
         self.model, self.batch, self.loss_fn, self.device = model, batch, loss_fn, device
         self.bucket = torch.zeros(CONTENTION_BUCKET_BYTES // 4, device=device)
         self.count = max(1, min(64, math.ceil(1.5 * backward_s / allreduce_4mb_s)))

@@ -45,9 +45,21 @@ def _fc(cin: int, cout: int) -> tuple[int, int, float]:
 
 def vgg16_layers() -> list[tuple[int, int, float]]:
     """VGG16 (Simonyan & Zisserman, configuration D) at 224x224, 1000 classes: 138,357,544 parameters."""
-    plan = [(3, 64, 224), (64, 64, 224), (64, 128, 112), (128, 128, 112), (128, 256, 56), (256, 256, 56),
-            (256, 256, 56), (256, 512, 28), (512, 512, 28), (512, 512, 28), (512, 512, 14), (512, 512, 14),
-            (512, 512, 14)]  # fmt: skip
+    plan = [
+        (3, 64, 224),
+        (64, 64, 224),
+        (64, 128, 112),
+        (128, 128, 112),
+        (128, 256, 56),
+        (256, 256, 56),
+        (256, 256, 56),
+        (256, 512, 28),
+        (512, 512, 28),
+        (512, 512, 28),
+        (512, 512, 14),
+        (512, 512, 14),
+        (512, 512, 14),
+    ]
     return [_conv(*p) for p in plan] + [_fc(512 * 7 * 7, 4096), _fc(4096, 4096), _fc(4096, 1000)]
 
 
@@ -81,8 +93,13 @@ def _dgx1_p100(ranks: int) -> Fabric:
     has one link, 4 GPUs (a fully linked quad) one Hamiltonian cycle, 8 GPUs two edge-disjoint ones; each
     cycle runs in both directions, so the bus bandwidth is 20 GB/s x 1, 2 or 4 (peak)."""
     lanes = {1: 1, 2: 1, 4: 2, 8: 4}[ranks]
-    return Fabric("DGX-1 P100 NVLink", 8, Link(20.0 * lanes * LINK_EFFICIENCY, LATENCY_US["nvlink"]),
-                  base_latency_us=NCCL_BASE_LATENCY_US, tree=False)  # fmt: skip
+    return Fabric(
+        "DGX-1 P100 NVLink",
+        8,
+        Link(20.0 * lanes * LINK_EFFICIENCY, LATENCY_US["nvlink"]),
+        base_latency_us=NCCL_BASE_LATENCY_US,
+        tree=False,
+    )
 
 
 def _horovod_fabric(ranks: int) -> Fabric:

@@ -38,8 +38,11 @@ DEFAULT_RANKS = ",".join(str(1 << k) for k in range(11))  # 1, 2, 4, ..., 1024
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("simulate")
-    group.add_argument("--profile", required=True, help="profile JSON from 'fastpar bench calibrate', or "
-                       f"published:NAME ({', '.join(CASES)})")  # fmt: skip
+    group.add_argument(
+        "--profile",
+        required=True,
+        help=f"profile JSON from 'fastpar bench calibrate', or published:NAME ({', '.join(CASES)})",
+    )
     where = group.add_mutually_exclusive_group()
     where.add_argument("--preset", help=f"named fabric: {', '.join(PRESETS)}")
     where.add_argument("--topology", metavar="FILE", help="fastpar topo --json output or saved nvidia-smi topo -m")
@@ -50,10 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--gpus-per-node", type=int, help="GPUs per node (default: the fabric's)")
     group.add_argument("--ranks", default=DEFAULT_RANKS, help=f"comma-separated N (default {DEFAULT_RANKS})")
     group.add_argument("--caps", default="1,4,25,auto", help="bucket caps in MB, and/or auto (default 1,4,25,auto)")
-    group.add_argument("--reducer", choices=list(REDUCERS), default="torch",
-                       help="how gradients move into buckets: pack/unpack costs from the profile (default torch)")  # fmt: skip
-    group.add_argument("--compute-scale", type=float, default=1.0,
-                       help="multiply the profile's compute and pack/unpack times (e.g. 0.05 for a device 20x faster)")  # fmt: skip
+    group.add_argument(
+        "--reducer",
+        choices=list(REDUCERS),
+        default="torch",
+        help="how gradients move into buckets: pack/unpack costs from the profile (default torch)",
+    )
+    group.add_argument(
+        "--compute-scale",
+        type=float,
+        default=1.0,
+        help="multiply the profile's compute and pack/unpack times (e.g. 0.05 for a device 20x faster)",
+    )
 
 
 def load(spec: str) -> tuple[Profile, PublishedCase | None]:
@@ -110,8 +121,11 @@ def run(ctx: BenchContext) -> BenchReport:
         own_network = not (flags.preset or flags.topology)
         costs = published.costs if published else profile.sync_costs(flags.reducer, contention=own_network)
         # packing and unpacking run on the same device as the compute: they scale with it
-        costs = replace(costs, pack_s_per_byte=costs.pack_s_per_byte * flags.compute_scale,
-                        unpack_s_per_byte=costs.unpack_s_per_byte * flags.compute_scale)  # fmt: skip
+        costs = replace(
+            costs,
+            pack_s_per_byte=costs.pack_s_per_byte * flags.compute_scale,
+            unpack_s_per_byte=costs.unpack_s_per_byte * flags.compute_scale,
+        )
         rows, skipped = [], [n for n in ranks if n > fabric.gpus_per_node and fabric.inter is None]
         for n in (n for n in ranks if n not in skipped):
             comm, nodes = comm_on(fabric, n), fabric.nodes(n)
@@ -122,11 +136,20 @@ def run(ctx: BenchContext) -> BenchReport:
                 else:
                     buckets = torch_layout(timeline, cap)
                     prediction, label, layout = simulate_step(timeline, buckets, comm, costs), f"{cap:g} MB", "torch"
-                rows.append(dict(ranks=n, nodes=nodes, cap=label, layout=layout, buckets=len(buckets),
-                                 step_ms=prediction.step_s * 1e3,
-                                 exposed_ms=prediction.exposed_s * 1e3, wire_ms=prediction.wire_busy_s * 1e3,
-                                 efficiency=prediction.efficiency(timeline.compute_s),
-                                 algorithm=algorithm_for(4 << 20, n, fabric) if n > 1 else "-"))  # fmt: skip
+                rows.append(
+                    dict(
+                        ranks=n,
+                        nodes=nodes,
+                        cap=label,
+                        layout=layout,
+                        buckets=len(buckets),
+                        step_ms=prediction.step_s * 1e3,
+                        exposed_ms=prediction.exposed_s * 1e3,
+                        wire_ms=prediction.wire_busy_s * 1e3,
+                        efficiency=prediction.efficiency(timeline.compute_s),
+                        algorithm=algorithm_for(4 << 20, n, fabric) if n > 1 else "-",
+                    )
+                )
     except (ValueError, KeyError, OSError) as exc:
         raise BenchUsageError(str(exc)) from None
     if not rows:
@@ -155,13 +178,17 @@ def _report(flags, profile, published, fabric, timeline, rows) -> BenchReport:
     checks = validate(profile, published)
     footer = [f"fabric: {fabric.name}: {_fabric_line(fabric)}"]
     footer += [f"  source: {s}" for s in fabric.sources]
-    footer.append("collectives: ring/tree formulas of fastpar.costmodel.collective_costs (Thakur et al. 2005; NCCL tuning.cc; "
-                  "Sanders et al. 2009); algorithm column: what a 4 MB all-reduce uses")  # fmt: skip
+    footer.append(
+        "collectives: ring/tree formulas of fastpar.costmodel.collective_costs (Thakur et al. 2005; NCCL tuning.cc; "
+        "Sanders et al. 2009); algorithm column: what a 4 MB all-reduce uses"
+    )
     summary: dict = {"fabric": fabric.name, "compute_s": timeline.compute_s}
     for check in checks:
         unit = (lambda v: f"{v:.1%}") if published else (lambda v: f"{v * 1e3:.1f} ms")
-        footer.append(f"validation {check.name}: measured {unit(check.measured)}, predicted {unit(check.predicted)} "
-                      f"({check.error:+.1%}; {check.detail})")  # fmt: skip
+        footer.append(
+            f"validation {check.name}: measured {unit(check.measured)}, predicted {unit(check.predicted)} "
+            f"({check.error:+.1%}; {check.detail})"
+        )
     if published:
         footer.append(f"published: {published.source}")
         summary["published_errors"] = {c.name: c.error for c in checks}
@@ -176,8 +203,10 @@ def _report(flags, profile, published, fabric, timeline, rows) -> BenchReport:
         and flags.compute_scale == 1.0
         and (flags.preset or flags.topology)
     ):
-        notes.append("compute times are this profile's CPU timings; for a GPU fabric calibrate on the GPUs or use "
-                     "--compute-scale")  # fmt: skip
+        notes.append(
+            "compute times are this profile's CPU timings; for a GPU fabric calibrate on the GPUs or use "
+            "--compute-scale"
+        )
     header = {
         "profile": flags.profile,
         "model": str(profile.model.get("name", "?")),

@@ -51,8 +51,14 @@ def validate(profile: Profile, published: PublishedCase | None = None) -> list[C
                 buckets = [[g.index] for g in grads]
             fabric = published.fabric(ranks)
             predicted = simulate_step(timeline, buckets, comm_on(fabric, ranks), published.costs)
-            checks.append(Check(f"efficiency, {ranks} GPUs", measured, predicted.efficiency(timeline.compute_s),
-                                f"{len(buckets)} collectives, exposed {predicted.exposed_s * 1e3:.1f} ms"))  # fmt: skip
+            checks.append(
+                Check(
+                    f"efficiency, {ranks} GPUs",
+                    measured,
+                    predicted.efficiency(timeline.compute_s),
+                    f"{len(buckets)} collectives, exposed {predicted.exposed_s * 1e3:.1f} ms",
+                )
+            )
         return checks
     for entry in profile.measured:
         if entry.get("world_size") != profile.world_size or "step_s" not in entry:
@@ -63,8 +69,14 @@ def validate(profile: Profile, published: PublishedCase | None = None) -> list[C
             cap = entry["bucket_cap_mb"]
             buckets = torch_layout(timeline, cap)
             predicted = simulate_step(timeline, buckets, profile.comm(), profile.sync_costs("torch"))
-            checks.append(Check(f"torch_ddp cap {cap:g} MB", entry["step_s"], predicted.step_s,
-                                f"{len(buckets)} buckets, exposed {predicted.exposed_s * 1e3:.1f} ms"))  # fmt: skip
+            checks.append(
+                Check(
+                    f"torch_ddp cap {cap:g} MB",
+                    entry["step_s"],
+                    predicted.step_s,
+                    f"{len(buckets)} buckets, exposed {predicted.exposed_s * 1e3:.1f} ms",
+                )
+            )
     return checks
 
 

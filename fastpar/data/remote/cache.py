@@ -93,8 +93,9 @@ class ObjectCache:
                 self._account(len(data))
         except OSError as exc:  # disk full, read-only, quota: train on without the cache, say so once
             self._disabled = str(exc)
-            warnings.warn(f"object cache {self.root} stopped storing objects ({exc}); reading on from the store",
-                          stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"object cache {self.root} stopped storing objects ({exc}); reading on from the store", stacklevel=2
+            )
 
     @contextmanager
     def _locked(self):

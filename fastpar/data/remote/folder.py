@@ -47,8 +47,7 @@ def scan_object_folder(store: S3Store | FsspecStore, *, strict: bool = True) -> 
         raise ValueError(f"no objects under {root}: {_empty_hint(store)}")
     sorted_files = {name: [u for _, u in sorted(entries)] for name, entries in class_files.items()}
     classes, files, labels = sort_image_files(root, sorted_files, loose=loose, strict=strict)
-    return ObjectImageFolder(root=root, classes=classes, files=files, labels=labels,
-                             objects=[by_url[f] for f in files])  # fmt: skip
+    return ObjectImageFolder(root=root, classes=classes, files=files, labels=labels, objects=[by_url[f] for f in files])
 
 
 def _empty_hint(store: S3Store | FsspecStore) -> str:

@@ -36,8 +36,10 @@ from typing import Any
 from ..._optional import require
 from ...launcher import free_port
 
-_SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-              b"<Message>Please reduce your request rate.</Message></Error>")  # fmt: skip
+_SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
 _POLICIES = {
     "reader": {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
     "lister": {"Effect": "Allow", "Action": "s3:ListBucket", "Resource": "*"},
@@ -48,8 +50,14 @@ class LocalS3:
     """Start (``start()`` or ``with``), ``stop()``, ``restart()`` a local moto S3 server seeded with
     ``buckets`` (bucket name -> local folder uploaded as its objects, keys relative to the folder)."""
 
-    def __init__(self, buckets: dict[str, str | Path], *, auth: bool = False, port: int | None = None,
-                 startup_timeout_s: float = 120.0):  # fmt: skip
+    def __init__(
+        self,
+        buckets: dict[str, str | Path],
+        *,
+        auth: bool = False,
+        port: int | None = None,
+        startup_timeout_s: float = 120.0,
+    ):
         require("moto", extra="s3-test", purpose="a local S3 server")
         self.buckets = {name: str(Path(folder).resolve()) for name, folder in buckets.items()}
         self.auth, self.port, self.startup_timeout_s = auth, port or free_port(), startup_timeout_s
@@ -66,14 +74,28 @@ class LocalS3:
     def env(self, user: str = "reader") -> dict[str, str]:
         """Environment for a client of this server (with ``auth``: ``user``'s keys, else any keys)."""
         keys = self.users.get(user, {"id": "testing", "secret": "testing"})
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
-                "AWS_ACCESS_KEY_ID": keys["id"], "AWS_SECRET_ACCESS_KEY": keys["secret"]}  # fmt: skip
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_REGION": "us-east-1",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ACCESS_KEY_ID": keys["id"],
+            "AWS_SECRET_ACCESS_KEY": keys["secret"],
+        }
 
     def start(self) -> LocalS3:
         ready = self.workdir / "ready.json"
         ready.unlink(missing_ok=True)
-        args = [sys.executable, "-m", "fastpar.data.remote.local_s3", "--port", str(self.port), "--ready", str(ready),
-                "--parent", str(os.getpid())]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "fastpar.data.remote.local_s3",
+            "--port",
+            str(self.port),
+            "--ready",
+            str(ready),
+            "--parent",
+            str(os.getpid()),
+        ]
         args += [f"--bucket={name}={folder}" for name, folder in self.buckets.items()]
         args += ["--auth"] if self.auth else []
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), *sys.path])}
@@ -209,8 +231,12 @@ def _seed(buckets: dict[str, str], auth: bool) -> dict[str, dict[str, str]]:
     seeder = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     seeder.start()
     host, port = seeder.get_host_and_port()
-    kw = dict(endpoint_url=f"http://{host}:{port}", region_name="us-east-1", aws_access_key_id="seed",
-              aws_secret_access_key="seed")  # fmt: skip
+    kw = dict(
+        endpoint_url=f"http://{host}:{port}",
+        region_name="us-east-1",
+        aws_access_key_id="seed",
+        aws_secret_access_key="seed",
+    )
     s3, users = boto3.client("s3", **kw), {}
     for bucket, folder in buckets.items():
         s3.create_bucket(Bucket=bucket)
@@ -226,8 +252,12 @@ def _seed(buckets: dict[str, str], auth: bool) -> dict[str, dict[str, str]]:
                 iam.put_user_policy(UserName=user, PolicyName=f"{user}-s3", PolicyDocument=document)
             key = iam.create_access_key(UserName=user)["AccessKey"]
             users[user] = {"id": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
-        request = urllib.request.Request(f"http://{host}:{port}/moto-api/reset-auth", data=b"0", method="POST",
-                                         headers={"Content-Type": "text/plain"})  # fmt: skip
+        request = urllib.request.Request(
+            f"http://{host}:{port}/moto-api/reset-auth",
+            data=b"0",
+            method="POST",
+            headers={"Content-Type": "text/plain"},
+        )
         urllib.request.urlopen(request, timeout=30).read()  # from now on every request is authenticated
     seeder.stop()
     return users

@@ -30,7 +30,7 @@ from .errors import (
     ObjectStoreError,
     StoreAccessError,
     StoreUnreachableError,
-    s3_error,  # fmt: skip
+    s3_error,
 )
 from .urls import ObjectURL
 
@@ -132,8 +132,16 @@ def retrying(call: Callable[[], T], what: str, options: StoreOptions, stats: Sto
 class S3Store:
     """One bucket through boto3. The client is made lazily, once per process (it is not fork-safe)."""
 
-    RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
-                   "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests"}  # fmt: skip
+    RETRY_CODES = {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+    }
 
     def __init__(self, url: ObjectURL, options: StoreOptions):
         self.url, self.options, self.stats = url, options, StoreStats()
@@ -237,11 +245,18 @@ class S3Store:
     def list(self) -> list[ObjectInfo]:
         """Every object under the prefix, in pages of 1000 (each page retried on its own)."""
         client, url, objects = self.client(), self.url, []
-        kwargs: dict[str, Any] = {"Bucket": url.bucket, "Prefix": url.list_prefix,
-                                  "MaxKeys": self.options.list_page_size}  # fmt: skip
+        kwargs: dict[str, Any] = {
+            "Bucket": url.bucket,
+            "Prefix": url.list_prefix,
+            "MaxKeys": self.options.list_page_size,
+        }
         while True:
-            page = retrying(lambda: self._call(f"listing {url}", lambda: client.list_objects_v2(**kwargs)),
-                            f"listing {url}", self.options, self.stats)  # fmt: skip
+            page = retrying(
+                lambda: self._call(f"listing {url}", lambda: client.list_objects_v2(**kwargs)),
+                f"listing {url}",
+                self.options,
+                self.stats,
+            )
             for entry in page.get("Contents", []):
                 key = entry["Key"]
                 objects.append(ObjectInfo(url.key_url(key), key, int(entry["Size"]), entry.get("ETag", "").strip('"')))
@@ -252,8 +267,10 @@ class S3Store:
     def top_level(self) -> list[str]:
         """Up to 20 "folders" at the top of the bucket: the hint for a prefix that holds nothing."""
         client = self.client()
-        page = self._call(f"listing s3://{self.url.bucket}/",
-                          lambda: client.list_objects_v2(Bucket=self.url.bucket, Delimiter="/", MaxKeys=20))  # fmt: skip
+        page = self._call(
+            f"listing s3://{self.url.bucket}/",
+            lambda: client.list_objects_v2(Bucket=self.url.bucket, Delimiter="/", MaxKeys=20),
+        )
         return [p["Prefix"] for p in page.get("CommonPrefixes", [])] + [c["Key"] for c in page.get("Contents", [])]
 
     def get(self, info: ObjectInfo) -> bytes:
@@ -274,8 +291,9 @@ class S3Store:
             self.stats.add(bytes=len(body))
             return body
 
-        return retrying(attempt, f"reading {info.url} (bucket {self.url.bucket!r}, key {info.key!r})",
-                        self.options, self.stats)  # fmt: skip
+        return retrying(
+            attempt, f"reading {info.url} (bucket {self.url.bucket!r}, key {info.key!r})", self.options, self.stats
+        )
 
 
 class FsspecStore:
@@ -299,12 +317,22 @@ class FsspecStore:
             raise _Retryable(exc) from exc
 
     def list(self) -> list[ObjectInfo]:
-        found = retrying(lambda: self._call(f"listing {self.url}", lambda: self.fs.find(self.path, detail=True)),
-                         f"listing {self.url}", self.options, self.stats)  # fmt: skip
+        found = retrying(
+            lambda: self._call(f"listing {self.url}", lambda: self.fs.find(self.path, detail=True)),
+            f"listing {self.url}",
+            self.options,
+            self.stats,
+        )
         objects = []
         for path, info in sorted(found.items()):
-            version = next((str(info[k]) for k in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "created")
-                            if info.get(k) is not None), "")  # fmt: skip
+            version = next(
+                (
+                    str(info[k])
+                    for k in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "created")
+                    if info.get(k) is not None
+                ),
+                "",
+            )
             objects.append(ObjectInfo(self.fs.unstrip_protocol(path), path, int(info.get("size") or 0), version))
         return objects
 
