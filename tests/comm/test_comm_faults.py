@@ -266,6 +266,7 @@ def _unreachable(rank: int, world: int):
     return "init_process_group returned"
 
 
+@pytest.mark.slow
 def test_peer_dying_during_init_leaves_nothing_in_dev_shm():
     outcome, pids = _run(_unreachable, 2, pg_timeout=5, wait=120, setup=_dies_on_reading_the_plan)
     left = [name for name in list_segments() if f".{pids[0]}." in name]
@@ -301,6 +302,7 @@ def _dies_while_aborting(rank: int, world: int):
     return _timed(lambda: dist.all_reduce(torch.ones(4)))
 
 
+@pytest.mark.slow
 def test_rank_dying_while_it_aborts_the_group_is_named():
     outcome, _ = _run(_dies_while_aborting, 2, pg_timeout=120, wait=60)
     assert outcome[1] == ("died", -signal.SIGKILL)

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from test_comm_faults import _run
@@ -160,6 +161,7 @@ def _callback_waits_for_a_collective_never_made(rank: int, world: int):
         return str(exc), time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_a_callback_stuck_waiting_fails_at_the_timeout_naming_the_rank():
     outcome, _ = _run(_callback_waits_for_a_collective_never_made, 2, pg_timeout=3, wait=90)
     kind, value = outcome[0]

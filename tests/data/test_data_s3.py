@@ -463,6 +463,7 @@ def test_bench_data_against_a_bucket_url(s3, capsys):
     assert "s3://imgs/train (36 images; local copy" in out and "s3_cached_torch" in out
 
 
+@pytest.mark.slow
 def test_local_server_leaves_no_temporary_folder(folders):
     with LocalS3({"imgs": folders / "imgs"}) as s3:
         workdir = s3.workdir

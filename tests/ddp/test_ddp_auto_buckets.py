@@ -378,6 +378,7 @@ def _stateful_hook_rank(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_a_stateful_comm_hook_stops_auto_with_the_layout_it_started_on():
     for result in spawn(_stateful_hook_rank, 2, timeout=300):
         assert result["differ"] == [], "differs from torch DDP with the same PowerSGD hook"

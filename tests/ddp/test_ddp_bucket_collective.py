@@ -133,6 +133,7 @@ def _train(rank: int, world_size: int, impl: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_a_custom_collective_installed_through_the_seam_trains_as_torch_ddp():
     reference = spawn(_train, 2, "torch", timeout=120)
     got = spawn(_train, 2, "custom", timeout=120)

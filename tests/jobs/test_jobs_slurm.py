@@ -105,6 +105,7 @@ def test_sweep_trials_are_slurm_jobs_on_their_own_cores(jobs_dir, tmp_path, capf
     assert SACCT_WARNING not in "".join(capfd.readouterr())
 
 
+@pytest.mark.slow
 def test_submit_reports_progress_and_returns_without_sacct_warnings(jobs_dir, tmp_path, capfd):
     release = tmp_path / "release"
     future = fastpar.submit(reporting, 3, str(release), cluster="slurm", resources={"timeout_min": 5})
@@ -120,6 +121,7 @@ def test_submit_reports_progress_and_returns_without_sacct_warnings(jobs_dir, tm
     assert SACCT_WARNING not in captured.out + captured.err
 
 
+@pytest.mark.slow
 def test_batch_result_fetched_from_a_fresh_process(jobs_dir, tmp_path):
     script = tmp_path / "hello.py"
     script.write_text("import os, sys\nprint('hello from', os.environ['SLURM_JOB_ID'], sys.argv[1:])\n")
@@ -135,6 +137,7 @@ def test_batch_result_fetched_from_a_fresh_process(jobs_dir, tmp_path):
     assert f"hello from {job.record.cluster_job_id} ['a', 'b']" in job.logs()
 
 
+@pytest.mark.slow
 def test_cancel_takes_the_job_off_the_queue(jobs_dir):
     future = fastpar.submit(sleeping, 600, cluster="slurm", resources={"timeout_min": 15})
     job_id = future.record.cluster_job_id
@@ -150,6 +153,7 @@ def test_cancel_takes_the_job_off_the_queue(jobs_dir):
     assert slurm.job_state(job_id) in ("CANCELLED", "COMPLETING")
 
 
+@pytest.mark.slow
 def test_a_failing_job_raises_its_own_error(jobs_dir, capfd):
     future = fastpar.submit(failing, "bad input", cluster="slurm", resources={"timeout_min": 5})
     with pytest.raises(ValueError, match="bad input") as caught:
