@@ -32,7 +32,8 @@ _INSTALLS_FASTPAR = re.compile(
 
 
 def install_lines(readme: str) -> list[str]:
-    """Shell lines of README (fenced blocks, then inline code) that install fastpar, in order of appearance."""
+    """Shell lines of README that install fastpar: those of fenced blocks (the set-up a reader pastes, which makes
+    the venv), then those in inline code, each group in order of appearance."""
     found: list[tuple[int, str]] = []
     for block in _FENCE.finditer(readme):
         offset = block.start(1)
@@ -44,7 +45,7 @@ def install_lines(readme: str) -> list[str]:
     outside = _FENCE.sub(lambda m: " " * len(m.group(0)), readme)
     for span in _INLINE.finditer(outside):
         if _INSTALLS_FASTPAR.search(span.group(1)):
-            found.append((span.start(), span.group(1).strip()))
+            found.append((len(readme) + span.start(), span.group(1).strip()))
     return [text for _, text in sorted(found)]
 
 
