@@ -18,13 +18,6 @@ from fastpar.launcher import free_port
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def _not_under_torchrun(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-
-
 def test_allreduce_two_ranks_writes_json_and_png(tmp_path, capsys):
     out_json, out_png = tmp_path / "ar.json", tmp_path / "ar.png"
     argv = ["allreduce", "--nproc", "2", "--backend", "gloo", "-b", "1K", "-e", "4K", "-f", "2"]

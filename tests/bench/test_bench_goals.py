@@ -22,12 +22,6 @@ SHARE = Goal("fastpar pack", "of memcpy", 0.85, AT_LEAST, unit="%")
 RATIO = Goal("fastpar_fp32 step", "ddp", 0.92, AT_MOST)
 
 
-@pytest.fixture(autouse=True)
-def _not_under_torchrun(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.mark.parametrize(
     ("goal", "value", "printed", "state"),
     [

@@ -10,13 +10,6 @@ import pytest
 from fastpar.bench.cli import main
 
 
-@pytest.fixture(autouse=True)
-def _not_under_torchrun(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
-
-
 @pytest.mark.slow
 def test_zero_benchmark_reports_state_per_rank_and_goals(tmp_path, capsys):
     out = tmp_path / "zero.json"
