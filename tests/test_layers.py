@@ -18,6 +18,7 @@ LAYERS = {
     "fastpar.bench": 70,
     "fastpar.info": 65,  # `fastpar info`, also printed by the benchmarks
     "fastpar.zero": 60,  # ZeRO plugs into the DDP reducer
+    "fastpar.shard": 58,  # FSDP2, pipeline stages and sharded checkpoints (torch's engines, fastpar's policies)
     "fastpar.ddp": 55,
     "fastpar.data": 50,
     "fastpar.costmodel": 50,
