@@ -75,18 +75,19 @@ def _rank(rank: int, world_size: int, names: tuple[str, ...]) -> dict:
 
 
 class _Twice(torch.nn.Module):
-    """``shared`` runs in two reentrant checkpoints (its gradient arrives twice); ``tail`` is skipped on request."""
+    """``shared`` can run in two reentrant checkpoints (its gradient arrives twice); ``tail`` can be skipped."""
 
     def __init__(self):
         super().__init__()
-        self.shared, self.tail = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.pre, self.shared, self.tail = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
 
     def forward(self, x, twice=False, skip_tail=False):
         from torch.utils.checkpoint import checkpoint
 
-        h = self.shared(x)
+        h = self.shared(self.pre(x))
         if twice:
-            h = checkpoint(self.shared, checkpoint(self.shared, x, use_reentrant=True), use_reentrant=True)
+            h = checkpoint(self.shared, self.pre(x), use_reentrant=True)
+            h = checkpoint(self.shared, torch.tanh(h), use_reentrant=True)
         return h if skip_tail else self.tail(h)
 
 
