@@ -151,6 +151,7 @@ class GradReady {
   // buckets: [(comm_flat, grad_flat | None, [(slot index, offset, grad_view | None, comm_view, dense), ...]), ...]
   void set_layout(const py::list& buckets) {
     std::vector<Bucket> layout;
+    std::vector<Slot> slots = slots_;  // filled here, swapped in under the mutex
     for (const auto& item : buckets) {
       auto entry = item.cast<py::tuple>();
       Bucket b;
@@ -159,9 +160,9 @@ class GradReady {
       for (const auto& member : entry[2].cast<py::list>()) {
         auto m = member.cast<py::tuple>();
         const auto index = m[0].cast<int64_t>();
-        TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(slots_.size()), "fastpar DDP: slot ", index,
+        TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(slots.size()), "fastpar DDP: slot ", index,
                           " out of range");
-        Slot& s = slots_[index];
+        Slot& s = slots[index];
         s.bucket = static_cast<int64_t>(layout.size());
         s.offset = m[1].cast<int64_t>();
         s.grad_view = m[2].is_none() ? at::Tensor() : m[2].cast<at::Tensor>();
@@ -176,6 +177,7 @@ class GradReady {
     py::gil_scoped_release no_gil;  // a hook may hold the mutex while its collective needs the GIL
     std::lock_guard<std::mutex> lock(mutex_);
     buckets_ = std::move(layout);
+    slots_ = std::move(slots);
     armed_ = false;
   }
 
@@ -196,11 +198,6 @@ class GradReady {
     std::lock_guard<std::mutex> lock(mutex_);
     reset_locked();
     armed_ = false;
-  }
-
-  bool armed() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return armed_;
   }
 
   // A nested backward ended before the outer one: the next gradient tells Python again (it re-queues its check).
@@ -251,7 +248,7 @@ class GradReady {
       if (armed) std::swap(start, need_start_);
     }
     // Python is only ever called with the mutex released: it may disarm (an error ends the backward).
-    if (!armed) return call_python(on_grad_, index);  // the Python hook: other modes, no_sync, the first steps
+    if (!armed) return call_python(on_grad_, index);  // the Python hook: the other modes, no_sync
     if (start) call_python(on_start_);  // starts the backward's bookkeeping (end-of-backward check) in Python
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     int64_t first = -1;
@@ -412,7 +409,6 @@ void bind(py::module_& m) {
       .def("arm", &GradReady::arm, py::arg("scale"), py::arg("alias_divisor"), py::arg("arrival_min"),
            py::call_guard<py::gil_scoped_release>())
       .def("disarm", &GradReady::disarm, py::call_guard<py::gil_scoped_release>())
-      .def("armed", &GradReady::armed, py::call_guard<py::gil_scoped_release>())
       .def("expect_start", &GradReady::expect_start, py::call_guard<py::gil_scoped_release>())
       .def("arrival_order", &GradReady::arrival_order, py::call_guard<py::gil_scoped_release>())
       .def("progress", &GradReady::progress, py::call_guard<py::gil_scoped_release>())
