@@ -3,10 +3,11 @@
 With the compiled extension serving the parameters' device (``fastpar.ext_status()``: the prebuilt or JIT-built
 ``fastpar._C``), each parameter's AccumulateGrad node gets a C++ post hook, as torch's own reducer registers
 them. In the common mode -- one all-reduce per bucket, no comm hook or bucket collective, neither
-``find_unused_parameters`` nor ``static_graph``, after torch's one rebuild, and no step that records statistics
+``find_unused_parameters`` nor ``static_graph``, no ``join()`` shadowing, no ``bucket_cap_mb="auto"`` measurement
 -- the hook marks the parameter ready, counts its bucket down and launches complete buckets (pack kernel +
-``ProcessGroup::allreduce``) without entering Python; Python hears once per backward and once per launched
-bucket. Every other step, the C++ hook calls the reducer's Python hook, which handles all modes. Without the
+``ProcessGroup::allreduce``) without entering Python; Python hears once per backward, once per launched bucket,
+and takes the arrival order at the end. Every other step, the C++ hook calls the reducer's Python hook, which
+handles all modes. Without the
 extension (the CuPy or pure-torch tiers) the Python hook is registered directly and runs every step.
 :meth:`fastpar.ddp.reducer.Reducer._hot_path_in_extension` is the one switch between them, per backward.
 

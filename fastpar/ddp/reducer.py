@@ -13,6 +13,11 @@ while later ones are still on the wire (``pipeline.FinishQueue``; only once noth
 gradients). After the last launch the end of backward is queued; it runs named steps: wait for each
 remaining bucket (a deadline that names missing ranks), finish it into ``.grad``, record statistics, learn.
 
+Where the hooks run (:mod:`fastpar.ddp.hot_path`): with the compiled extension they are C++ hooks, and in the
+common mode (:meth:`Reducer._hot_path_in_extension`) marking ready, bucket bookkeeping and launches run in C++
+(``fastpar._C.GradReady``), which calls back once per backward (``_native_started``) and once per launch
+(``_native_launched``); otherwise, and without the extension, each gradient goes through :meth:`Reducer._on_grad`.
+
 What replaces each bucket's all-reduce -- a comm hook (torch's ``register_comm_hook``) or a
 :class:`~fastpar.ddp.bucket_collective.BucketCollective` (ZeRO's reduce-scatter) -- is installed here, by
 :meth:`Reducer.register_comm_hook` or :meth:`Reducer.install_bucket_collective`; the two exclude each other
