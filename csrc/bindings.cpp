@@ -17,6 +17,9 @@
 namespace fastpar::shm {
 void bind(pybind11::module_& m);  // shm/bind.cpp: the "fastpar" torch.distributed backend
 }
+namespace fastpar::ddp {
+void bind(pybind11::module_& m);  // ddp/grad_ready.cpp: DDP's per-gradient hot path
+}
 
 namespace fastpar {
 namespace {
@@ -221,4 +224,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(L2 norm as fp32 0-d tensor, all elements finite as bool 0-d tensor), on the buffers' device");
   m.def("has_cuda", &fastpar::has_cuda, "whether the CUDA kernels were compiled in");
   fastpar::shm::bind(m);
+  fastpar::ddp::bind(m);
 }

@@ -175,5 +175,7 @@ class DistributedDataParallel(_TorchDDP):
     def comm_stats(self) -> dict:
         """Of the last synchronised backward: ``bytes`` reduced, ``collectives`` issued, ``wait_s`` spent
         waiting for communication after backward (not hidden by overlap; on GPU the time the compute stream
-        stalled, read from CUDA events), ``buckets``, ``step``."""
+        stalled, read from CUDA events), ``buckets``, ``step``, ``finished_early`` (buckets finished during backward)
+        and ``hot_path``: ``"extension"`` when the per-gradient hooks ran in fastpar's C++ extension, else
+        ``"python"`` (see :mod:`fastpar.ddp.hot_path`)."""
         return self.reducer.stats()

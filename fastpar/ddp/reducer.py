@@ -13,6 +13,11 @@ while later ones are still on the wire (``pipeline.FinishQueue``; only once noth
 gradients). After the last launch the end of backward is queued; it runs named steps: wait for each
 remaining bucket (a deadline that names missing ranks), finish it into ``.grad``, record statistics, learn.
 
+Where the hooks run (:mod:`fastpar.ddp.hot_path`): with the compiled extension they are C++ hooks, and in the
+common mode (:meth:`Reducer._hot_path_in_extension`) marking ready, bucket bookkeeping and launches run in C++
+(``fastpar._C.GradReady``), which calls back once per backward (``_native_started``) and once per launch
+(``_native_launched``); otherwise, and without the extension, each gradient goes through :meth:`Reducer._on_grad`.
+
 What replaces each bucket's all-reduce -- a comm hook (torch's ``register_comm_hook``) or a
 :class:`~fastpar.ddp.bucket_collective.BucketCollective` (ZeRO's reduce-scatter) -- is installed here, by
 :meth:`Reducer.register_comm_hook` or :meth:`Reducer.install_bucket_collective`; the two exclude each other
@@ -32,7 +37,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from . import gradient_path
+from . import gradient_path, hot_path
 from .auto_buckets import AutoBuckets
 from .bucket_collective import BucketCollective
 from .buckets import ParamSlot, assign_buckets, build_buckets, initial_layout
@@ -83,10 +88,9 @@ class Reducer:
         with torch.enable_grad():  # the AccumulateGrad nodes, kept alive as torch's reducer keeps them
             for slot in self.slots:
                 slot.acc = slot.param.view_as(slot.param).grad_fn.next_functions[0][0]
-        me = weakref.ref(self)  # hooks must not keep a dropped wrapper alive
-        self._handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, me, i)) for i, p in enumerate(params)
-        ]
+        self._handles: list = []
+        self._native = None  # fastpar._C.GradReady: the hooks in C++ (hot_path.py), else Python hooks
+        self._attach_hooks()
         # torch Reducer counters and learned state
         self.num_iterations = 0
         self.num_backwards = 0
@@ -108,7 +112,7 @@ class Reducer:
         self._used_map = torch.zeros(len(self.slots), dtype=torch.int32, device=self.device)  # see _get_local_used_map
         self.step = 0
         self.last_stats = {"step": 0, "bytes": 0, "collectives": 0, "wait_s": 0.0, "buckets": len(self.buckets)}
-        self.last_stats["finished_early"] = 0
+        self.last_stats.update(finished_early=0, hot_path="python")
         # per backward
         self.expect_hooks = False
         self._started = self._finalize_queued = self._end_check_queued = self._searched = False
@@ -118,6 +122,8 @@ class Reducer:
         self._globally_unused: frozenset[int] | None = None
         self._outputs_hook = None
         self._bytes = 0
+        self._native_layout: list | None = None  # the bucket list the extension was last given
+        self._native_armed = self._native_pulled = False
         self.finishing = FinishQueue()  # buckets finished so far this backward, in order
         self.auto = AutoBuckets(self.device) if auto_buckets else None  # bucket_cap_mb="auto"
         self._recorder = None  # a StepRecorder while "auto" measures this step
@@ -158,6 +164,8 @@ class Reducer:
                 self._outputs_hook = torch.autograd.graph.register_multi_grad_hook(
                     tensors, functools.partial(_hook, search, None), mode="any"
                 )
+        if self._hot_path_in_extension():
+            self._arm_native()
 
     @torch._disable_dynamo  # called from DDP.forward: opaque to torch.compile, as torch's C++ reducer
     def _rebuild_buckets(self) -> bool:
@@ -345,15 +353,21 @@ class Reducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        if self._native is not None:
+            self._native.remove_hooks()
+            self._native = self._native_layout = None
         self._remove_outputs_hook()
 
     def _reset_state(self) -> None:
-        self.has_rebuilt, self.rebuild_order = False, []
         self._end_backward()
+        self.has_rebuilt, self.rebuild_order = False, []
 
     def _update_process_group(self, group: dist.ProcessGroup) -> None:
         self._reset_state()
         self.group, self.world_size = group, group.size()
+        if self._native is not None:  # its collectives go to the new group
+            self._native.remove_hooks()
+            self._attach_hooks()
         self.waiter = BucketWaiter(self.device, pg_timeout_seconds(group, self.device), self.waiter._diagnose)
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
@@ -405,15 +419,7 @@ class Reducer:
             if slot.fires < slot.expected_fires:
                 return  # reentrant checkpointing: the gradient is complete after the last expected hook
         elif slot.fires > 1:
-            self._fail(
-                RuntimeError(
-                    f"fastpar DDP: parameter {slot.name} received a gradient twice in one synchronised backward (a "
-                    "second backward over the same forward, or a parameter reused across reentrant checkpoints); "
-                    "run one backward per forward, wrap the extra backward in model.no_sync(), or pass "
-                    "static_graph=True when the graph is the same every step"
-                ),
-                abort=True,
-            )
+            self._fail(RuntimeError(_received_twice(slot)), abort=True)
         elif slot.ready:  # marked unused from the graph, yet a gradient came: a reentrant checkpoint's parameter
             self._unmark_unused(slot)
         launched = self._next
@@ -466,6 +472,96 @@ class Reducer:
             )
         slot.ready = False
         slot.bucket.pending += 1
+
+    # ---- the hot path in the extension (hot_path.py): the common mode's hooks, bookkeeping and launches in C++ ----
+    def _attach_hooks(self) -> None:
+        """One hook per parameter: from C++ when the extension serves the device, else the Python hook."""
+        me = weakref.ref(self)  # hooks must not keep a dropped wrapper alive
+        params = [s.param for s in self.slots]
+        self._native = hot_path.attach(
+            params,
+            self.group,
+            functools.partial(_hook, weakref.WeakMethod(self._autograd_hook), None),
+            functools.partial(_hook, weakref.WeakMethod(self._native_started), None),
+            functools.partial(_hook, weakref.WeakMethod(self._native_launched), None),
+            functools.partial(_hook, weakref.WeakMethod(self._native_twice), None),
+        )
+        self._native_layout = None
+        if self._native is None:
+            self._handles = [
+                p.register_post_accumulate_grad_hook(functools.partial(_grad_hook, me, i)) for i, p in enumerate(params)
+            ]
+
+    def _hot_path_in_extension(self) -> bool:
+        """The one switch: whether the coming backward runs in the extension's hooks (every other backward runs the
+        Python hook, :meth:`_on_grad`, which handles every mode). The common mode only: one all-reduce per bucket,
+        no join() shadowing, and no ``bucket_cap_mb="auto"`` measurement (it times each gradient)."""
+        return (
+            self._native is not None
+            and self.comm_hook is None
+            and self.bucket_collective is None
+            and not self.find_unused
+            and not self.static_graph
+            and self._join is None
+            and self._recorder is None
+        )
+
+    def _arm_native(self) -> None:
+        if self._native_layout is not self.buckets:
+            self._native.set_layout(hot_path.layout(self.buckets))
+            self._native_layout = self.buckets
+        alias_divisor = self._divisor if self.alias_divides else 0
+        self._native.arm(self._scale, alias_divisor, -1 if self._arrival_min is None else self._arrival_min)
+        self._native_armed, self._native_pulled = True, False
+
+    def _native_started(self) -> None:
+        """The extension's first gradient of a backward (or the first after a nested backward ended)."""
+        if not self._started:
+            self._start_backward()
+        elif not self._end_check_queued and not self._finalize_queued:
+            self._queue_end_check()
+
+    def _native_launched(self, first: int, works: list) -> None:
+        """The extension launched buckets ``first, first + 1, ...`` (their collectives' ``works``)."""
+        for bucket, work in zip(self.buckets[first : first + len(works)], works, strict=True):
+            bucket.work, bucket.launched = work, True
+            self._bytes += bucket.nbytes
+        if first == 0 and self._sampled:
+            self.runtime_timer.record("backward_comm_start")
+        self._next = first + len(works)
+        self.buckets_reduced += len(works)
+        if self._next == len(self.buckets) and not self._finalize_queued:
+            self._finalize_queued = True
+            _queue_callback(self._backward_computed)
+        if self.finishing.finished < first:
+            self._finish_early()
+
+    def _native_twice(self, index: int) -> None:
+        self._pull_native()
+        slot = self.slots[index]
+        slot.fires = 2
+        self._fail(RuntimeError(_received_twice(slot)), abort=True)
+
+    def _take_native_arrivals(self) -> None:
+        """The arrival order where the Python hook records it: for torch's rebuild (before it) and a sampled
+        iteration's logging."""
+        if self._started and ((not self.has_rebuilt and self._recording_order()) or self._sampled):
+            order = self._native.arrival_order()
+            if not self.has_rebuilt and self._recording_order():
+                self.rebuild_order += order
+            if self._sampled:
+                self.grad_ready_order = order
+
+    def _pull_native(self) -> None:
+        """Copy the extension's per-parameter progress into the slots (for errors, which name parameters)."""
+        if not self._native_armed:
+            return
+        arrived, staged = self._native.progress()
+        for i in arrived:
+            self.slots[i].ready, self.slots[i].fires = True, 1
+        for i in staged:
+            self.slots[i].staged = True
+        self._native_pulled = True
 
     # ---- launching buckets, in order -------------------------------------------------------------
     def _bucket_scale(self) -> float:
@@ -612,7 +708,10 @@ class Reducer:
         if not self._started or self._finalize_queued:
             return
         if _current_node() is not None:
+            if self._native_armed:
+                self._native.expect_start()
             return  # a nested backward inside a checkpointed block: the next hook re-arms this check
+        self._pull_native()
         missing = [s for s in self.slots if not s.ready]
         if self.static_graph:
             self._fail(RuntimeError(_graph_changed(missing[0])), abort=True)
@@ -679,6 +778,7 @@ class Reducer:
             "wait_s": None,  # read lazily from the timer (a CUDA sync on GPU)
             "buckets": len(self.buckets),
             "finished_early": self.finishing.early,  # finished from the hooks, before backward ended
+            "hot_path": "extension" if self._native_armed else "python",  # where the hooks ran (hot_path.py)
         }
 
     def stats(self) -> dict:
@@ -694,8 +794,13 @@ class Reducer:
         if self._dynamic_find() or self._static_learned:
             for slot in self.slots:
                 slot.used = False
-        for slot in self.slots:
-            slot.reset_step()
+        if not self._native_armed or self._native_pulled:  # the extension's backward left the slots untouched
+            for slot in self.slots:
+                slot.reset_step()
+        if self._native_armed:
+            self._take_native_arrivals()
+            self._native.disarm()
+            self._native_armed = self._native_pulled = False
         for bucket in self.buckets:
             bucket.reset()
         self.expect_hooks = False
@@ -721,6 +826,7 @@ class Reducer:
         """At each entry: an error found in the background (NCCL deadline) or a backward that never finished."""
         self.waiter.raise_if_failed()
         if self._started and not self._finalize_queued and _graph_task_id() == -1:
+            self._pull_native()
             missing = [s.name for s in self.slots if not s.ready]
             self._fail(UnusedParametersError(missing, len(self.slots)), abort=True)
 
@@ -752,7 +858,7 @@ class Reducer:
             self._outputs_hook = None
 
     def __del__(self) -> None:
-        if hasattr(self, "_handles"):
+        if hasattr(self, "_native"):
             self._remove_autograd_hooks()
         if hasattr(self, "waiter"):
             self.waiter.close()
@@ -771,6 +877,15 @@ def _hook(method: weakref.WeakMethod, index, *args) -> None:
             bound(*args)
         else:
             bound(index, *args)
+
+
+def _received_twice(slot: ParamSlot) -> str:
+    return (
+        f"fastpar DDP: parameter {slot.name} received a gradient twice in one synchronised backward (a second "
+        "backward over the same forward, or a parameter reused across reentrant checkpoints); run one backward per "
+        "forward, wrap the extra backward in model.no_sync(), or pass static_graph=True when the graph is the same "
+        "every step"
+    )
 
 
 def _graph_changed(slot: ParamSlot) -> str:

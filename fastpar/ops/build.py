@@ -69,9 +69,12 @@ def default_cuda_archs(torch: ModuleType, environ: dict[str, str] | None = None)
 
 def config(root: Path, torch: ModuleType, with_cuda: bool) -> BuildConfig:
     """Sources under ``root`` (csrc/) and flags for building against ``torch``."""
-    # csrc/bindings.cpp defines the module; csrc/ops/ holds the bucket kernels, csrc/shm/ the shared-memory backend.
+    # csrc/bindings.cpp defines the module; csrc/ops/ holds the bucket kernels, csrc/shm/ the shared-memory backend,
+    # csrc/ddp/ DDP's per-gradient hot path.
     # Basenames are unique across the folders: the JIT build names object files after them.
-    sources = sorted(root.glob("*.cpp")) + sorted((root / "ops").glob("*.cpp")) + sorted((root / "shm").glob("*.cpp"))
+    sources = sorted(root.glob("*.cpp")) + [
+        p for part in ("ops", "shm", "ddp") for p in sorted((root / part).glob("*.cpp"))
+    ]
     if with_cuda:
         sources += sorted((root / "ops" / "cuda").glob("*.cu"))
     # -fopenmp: at::parallel_for is a header-inline `omp parallel` when torch's backend is OpenMP; without the
