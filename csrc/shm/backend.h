@@ -9,6 +9,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "shm/work.h"
@@ -31,6 +32,10 @@ class ShmBackend : public c10d::Backend {
   bool shm_active() const { return executor_ != nullptr; }
   const std::string& fallback_reason() const { return reason_; }
   c10::intrusive_ptr<c10d::Backend> gloo() const { return gloo_; }
+  // The wait and thread policy fastpar/comm/threads.py chooses: how long waits spin before they sleep, how many
+  // threads one reduction splits over. Called before the first collective.
+  void set_thread_policy(int64_t spin_us, int summation_threads);
+  std::tuple<int64_t, int> thread_policy() const;
 
   const std::string getBackendName() const override { return "fastpar"; }
   c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }

@@ -57,7 +57,10 @@ void bind(pybind11::module_& m) {
            "Leave the segment: everything goes to gloo from now on")
       .def_property_readonly("shm_active", &ShmBackend::shm_active)
       .def_property_readonly("fallback_reason", &ShmBackend::fallback_reason)
-      .def_property_readonly("gloo", &ShmBackend::gloo);
+      .def_property_readonly("gloo", &ShmBackend::gloo)
+      .def("set_thread_policy", &ShmBackend::set_thread_policy, py::arg("spin_us"), py::arg("summation_threads"),
+           "How long a wait spins before it sleeps (microseconds, 0: at once) and the most threads a reduction "
+           "splits over (process-wide, 0: torch's count); before the first collective");
   m.def(
       "shm_backend_state",
       [](const c10::intrusive_ptr<c10d::Backend>& backend) -> py::object {
@@ -66,6 +69,15 @@ void bind(pybind11::module_& m) {
         return py::make_tuple(shm->shm_active(), shm->fallback_reason());
       },
       py::arg("backend"), "(shm active, why not) of a 'fastpar' backend; None for any other backend");
+  m.def(
+      "shm_thread_policy",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend) -> py::object {
+        const auto* shm = dynamic_cast<const ShmBackend*>(backend.get());
+        if (shm == nullptr || !shm->shm_active()) return py::none();
+        const auto [spin_us, threads] = shm->thread_policy();
+        return py::make_tuple(spin_us, threads);
+      },
+      py::arg("backend"), "(spin_us, summation_threads) of a 'fastpar' backend on shared memory; else None");
   m.def("shm_create", &Segment::create, py::arg("name"), py::arg("world"), py::arg("slot_bytes"), py::arg("buffers"),
         py::arg("token"),
         "Create and initialise a group's segment in /dev/shm (mode 0600, pages reserved)");

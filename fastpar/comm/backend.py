@@ -30,6 +30,7 @@ import warnings
 import torch
 
 from ..ops import loader
+from . import threads
 from .segments import SHM_DIR, segment_name, sweep_stale_segments
 
 BACKEND_NAME = "fastpar"
@@ -165,12 +166,34 @@ def _create_backend(opts, backend_options=None):
         return gloo
     backend = ext.ShmBackend(rank, size, gloo, timeout)
     reason = _rendezvous(backend, ext, store, f"{_KEY}{generation}/", rank, size, str(opts.group_id))
+    if not reason and hasattr(backend, "set_thread_policy"):  # every rank is on this host: they share its cores
+        policy = threads.choose(local_ranks=size)
+        backend.set_thread_policy(policy.spin_us, policy.summation_threads)
     if reason and rank == 0:
         expected = "span" in reason or "FASTPAR_SHM=0" in reason
         (_log.info if expected else _log.warning)(
             "fastpar backend, group %s: gloo for all collectives: %s", opts.group_id, reason
         )
     return backend
+
+
+def thread_policy(group=None) -> dict | None:
+    """The wait and thread policy of the "fastpar" backend of ``group`` (default: the default group), as
+    :mod:`fastpar.comm.threads` chose it: ``{"spin_us": int, "summation_threads": int}``; None when the group
+    does not run on shared memory."""
+    import torch.distributed as dist
+
+    group = group or dist.group.WORLD
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+    ext = loader.extension()
+    policy = ext.shm_thread_policy(backend) if ext is not None and hasattr(ext, "shm_thread_policy") else None
+    if policy is None:
+        return None
+    spin_us, summation_threads = policy
+    return {"spin_us": spin_us, "summation_threads": summation_threads}
 
 
 def shm_status(group=None) -> dict:
