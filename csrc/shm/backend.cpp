@@ -225,9 +225,17 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(std::vector<at::T
   bool handled = executor_ && !tensors.empty() && sum_or_avg(opts.reduceOp);
   for (const auto& t : tensors) handled = handled && reducible_tensor(t) && same_dtype(t, tensors[0]);
   if (!handled) return gloo_->allreduce_coalesced(tensors, opts);
-  // As gloo: one all-reduce of the tensors' concatenation (each in logical order: gloo flattens them), here without
-  // the flat copy: every tensor is staged from and summed into where it lies. A contiguous real tensor is used as it
-  // is (the Work holds it); only the others take a Dense (a detached view or a copy, at a few microseconds each).
+  const Reduction reduction{real_dtype(tensors[0]), opts.reduceOp.op_ == c10d::ReduceOp::AVG};
+  return enqueue_list(tensors, reduction, op_timeout(opts.timeout), OpType::ALLREDUCE_COALESCED,
+                      "fastpar:all_reduce_coalesced", tensors);
+}
+
+// As gloo: one all-reduce of the tensors' concatenation (each in logical order: gloo flattens them), here without
+// the flat copy: every tensor is staged from and summed into where it lies. A contiguous real tensor is used as it
+// is (the caller or the Work holds it); only the others take a Dense (a detached view or a copy).
+c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue_list(const std::vector<at::Tensor>& tensors, Reduction reduction,
+                                                        std::chrono::milliseconds timeout, OpType type,
+                                                        const char* title, std::vector<at::Tensor> outputs) {
   std::vector<Span> spans;
   std::vector<Dense> copies;
   spans.reserve(tensors.size());
@@ -239,13 +247,31 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(std::vector<at::T
       spans.push_back({copies.back().ptr(), copies.back().numel()});
     }
   }
-  const Reduction reduction{real_dtype(tensors[0]), opts.reduceOp.op_ == c10d::ReduceOp::AVG};
-  const auto timeout = op_timeout(opts.timeout);
-  return enqueue(OpType::ALLREDUCE_COALESCED, "fastpar:all_reduce_coalesced", tensors,
+  return enqueue(type, title, std::move(outputs),
                  [spans = std::move(spans), copies = std::move(copies), reduction, timeout](Group& g) {
                    all_reduce(g, spans, reduction, timeout);
                    for (const auto& t : copies) t.write_back();
                  });
+}
+
+void ShmBackend::all_reduce_lists(const std::vector<std::vector<at::Tensor>>& lists) {
+  TORCH_CHECK(executor_, "fastpar shm backend: all_reduce_lists needs the shared-memory path, which is off: ", reason_);
+  for (size_t k = 0; k < lists.size(); ++k) {
+    const auto& list = lists[k];
+    for (size_t i = 0; i < list.size(); ++i) {
+      TORCH_CHECK(reducible_tensor(list[i]) && same_dtype(list[i], list[0]), "fastpar shm backend: list ", k,
+                  ", tensor ", i, " is ", list[i].scalar_type(), " on ", list[i].device(),
+                  "; a list all-reduce takes CPU tensors of one float dtype (", list[0].scalar_type(), " here)");
+    }
+  }
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  works.reserve(lists.size());
+  for (const auto& list : lists) {
+    if (list.empty()) continue;
+    works.push_back(enqueue_list(list, Reduction{real_dtype(list[0]), false}, op_timeout(c10d::kUnsetTimeout),
+                                 OpType::ALLREDUCE_COALESCED, "fastpar:all_reduce_list", {}));
+  }
+  for (auto& work : works) work->wait();  // runs what is still queued on this thread; rethrows a failure
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::broadcast(std::vector<at::Tensor>& tensors,

@@ -1,7 +1,10 @@
 // Python bindings of the same-host backend (fastpar._C.ShmBackend and the segment helpers used by
 // fastpar/comm/backend.py, which registers the backend with torch.distributed).
 #include <pybind11/chrono.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include <vector>
 
 #include "shm/backend.h"
 
@@ -78,6 +81,27 @@ void bind(pybind11::module_& m) {
         return py::make_tuple(spin_us, threads);
       },
       py::arg("backend"), "(spin_us, summation_threads) of a 'fastpar' backend on shared memory; else None");
+  m.def(
+      "shm_all_reduce_lists",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend, const py::list& lists) {
+        auto* shm = dynamic_cast<ShmBackend*>(backend.get());
+        TORCH_CHECK(shm != nullptr, "shm_all_reduce_lists needs a 'fastpar' backend, got ", backend->getBackendName());
+        // Straight from the Python objects: thousands of tensors cost no dispatcher boxing.
+        std::vector<std::vector<at::Tensor>> tensors(lists.size());
+        for (size_t k = 0; k < lists.size(); ++k) {
+          const auto list = py::reinterpret_borrow<py::sequence>(lists[k]);
+          tensors[k].reserve(list.size());
+          for (const auto& item : list) {
+            TORCH_CHECK_TYPE(THPVariable_Check(item.ptr()), "shm_all_reduce_lists: list ", k, " holds a non-tensor");
+            tensors[k].push_back(THPVariable_Unpack(item.ptr()));
+          }
+        }
+        py::gil_scoped_release no_gil;
+        shm->all_reduce_lists(tensors);
+      },
+      py::arg("backend"), py::arg("lists"),
+      "All-reduce (SUM) each list of CPU tensors in place, one collective per list, all in flight before the first "
+      "wait; returns when all are done");
   m.def("shm_create", &Segment::create, py::arg("name"), py::arg("world"), py::arg("slot_bytes"), py::arg("buffers"),
         py::arg("token"),
         "Create and initialise a group's segment in /dev/shm (mode 0600, pages reserved)");

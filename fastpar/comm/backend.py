@@ -177,6 +177,40 @@ def _create_backend(opts, backend_options=None):
     return backend
 
 
+def _shm_backend(group):
+    """The CPU backend of ``group`` (default: the default group) when it is fastpar's on shared memory, else None."""
+    import torch.distributed as dist
+
+    ext = loader.extension()
+    if ext is None or not hasattr(ext, "shm_all_reduce_lists"):
+        return None
+    try:
+        backend = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+    state = ext.shm_backend_state(backend)
+    return backend if state is not None and state[0] else None
+
+
+def reduces_lists(group=None) -> bool:
+    """Whether :func:`all_reduce_lists` can run on ``group``: fastpar's backend on shared memory."""
+    return _shm_backend(group) is not None
+
+
+def all_reduce_lists(lists, group=None) -> None:
+    """All-reduce (SUM) every list of CPU tensors in place: one collective per list, each staging its tensors and
+    summing into them where they lie (the bits of an all-reduce of the list's concatenation, gloo's
+    ``all_reduce_coalesced``), all in flight before the first wait; returns when all are done. Each list holds one
+    float dtype. Needs :func:`reduces_lists`."""
+    backend = _shm_backend(group)
+    if backend is None:
+        raise RuntimeError(
+            "all_reduce_lists needs a process group on fastpar's shared-memory backend "
+            "(init_process_group('fastpar') with every rank on this host); use torch.distributed.all_reduce_coalesced"
+        )
+    loader.extension().shm_all_reduce_lists(backend, lists)
+
+
 def thread_policy(group=None) -> dict | None:
     """The wait and thread policy of the "fastpar" backend of ``group`` (default: the default group), as
     :mod:`fastpar.comm.threads` chose it: ``{"spin_us": int, "summation_threads": int}``; None when the group

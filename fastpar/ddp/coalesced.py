@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from ..comm import all_reduce_lists, reduces_lists
 from .buckets import assign_buckets, default_caps
 from .pipeline import FinishQueue
 
@@ -53,22 +54,7 @@ def _check_dtypes(tensors: Sequence[torch.Tensor]) -> None:
 def reduces_in_place(group: dist.ProcessGroup | None, tensors: Sequence[torch.Tensor], scale: float) -> bool:
     """Whether ``group`` reduces a list of ``tensors`` where they lie, with nothing to pack: the "fastpar" backend on
     shared memory, CPU tensors, no scaling (a scale would be one more pass over every tensor)."""
-    if scale != 1.0 or not tensors or tensors[0].device.type != "cpu":
-        return False
-    from ..comm import shm_status
-
-    return bool(shm_status(group)["shm"])
-
-
-def _reduce_lists(lists: Sequence[list[torch.Tensor]], group: dist.ProcessGroup | None) -> None:
-    """One list collective per bucket (``ProcessGroup.allreduce_coalesced``: no deprecation warning per call), all
-    in flight before the first wait."""
-    opts = dist.AllreduceCoalescedOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
-    process_group = group if group is not None else dist.distributed_c10d._get_default_group()
-    works = [process_group.allreduce_coalesced(members, opts) for members in lists]
-    for work in works:
-        work.wait()
+    return scale == 1.0 and bool(tensors) and tensors[0].device.type == "cpu" and reduces_lists(group)
 
 
 def _reduce_buckets(buckets: Sequence[_Bucket], group: dist.ProcessGroup | None, scale: float, works: list) -> None:
@@ -123,7 +109,7 @@ class CoalescedAllReduce:
 
     def __call__(self, scale: float = 1.0) -> None:
         if self.in_place and scale == 1.0:
-            _reduce_lists(self.lists, self.group)
+            all_reduce_lists(self.lists, self.group)
             return
         _reduce_buckets(self.buckets, self.group, scale, [])
 
@@ -215,7 +201,7 @@ def all_reduce_coalesced(
         return
     plan = _plans.plan(tensors, bucket_cap_mb, dist.get_world_size(group))
     if reduces_in_place(group, tensors, scale):
-        _reduce_lists([[tensors[i] for i in indices] for indices in plan], group)
+        all_reduce_lists([[tensors[i] for i in indices] for indices in plan], group)
         return
     buckets: list[_Bucket] = []
     works: list = []
