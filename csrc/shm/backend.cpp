@@ -226,16 +226,18 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(std::vector<at::T
   for (const auto& t : tensors) handled = handled && reducible_tensor(t) && same_dtype(t, tensors[0]);
   if (!handled) return gloo_->allreduce_coalesced(tensors, opts);
   const Reduction reduction{real_dtype(tensors[0]), opts.reduceOp.op_ == c10d::ReduceOp::AVG};
-  return enqueue_list(tensors, reduction, op_timeout(opts.timeout), OpType::ALLREDUCE_COALESCED,
-                      "fastpar:all_reduce_coalesced", tensors);
+  auto work = list_work(tensors, reduction, op_timeout(opts.timeout), OpType::ALLREDUCE_COALESCED,
+                        "fastpar:all_reduce_coalesced", tensors);
+  executor_->submit(work);
+  return work;
 }
 
 // As gloo: one all-reduce of the tensors' concatenation (each in logical order: gloo flattens them), here without
 // the flat copy: every tensor is staged from and summed into where it lies. A contiguous real tensor is used as it
 // is (the caller or the Work holds it); only the others take a Dense (a detached view or a copy).
-c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue_list(const std::vector<at::Tensor>& tensors, Reduction reduction,
-                                                        std::chrono::milliseconds timeout, OpType type,
-                                                        const char* title, std::vector<at::Tensor> outputs) {
+c10::intrusive_ptr<ShmWork> ShmBackend::list_work(const std::vector<at::Tensor>& tensors, Reduction reduction,
+                                                   std::chrono::milliseconds timeout, OpType type, const char* title,
+                                                   std::vector<at::Tensor> outputs) {
   std::vector<Span> spans;
   std::vector<Dense> copies;
   spans.reserve(tensors.size());
@@ -247,11 +249,14 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue_list(const std::vector<at::Te
       spans.push_back({copies.back().ptr(), copies.back().numel()});
     }
   }
-  return enqueue(type, title, std::move(outputs),
-                 [spans = std::move(spans), copies = std::move(copies), reduction, timeout](Group& g) {
-                   all_reduce(g, spans, reduction, timeout);
-                   for (const auto& t : copies) t.write_back();
-                 });
+  ++seq_;
+  return c10::make_intrusive<ShmWork>(
+      rank_, type, title, std::move(outputs),
+      [spans = std::move(spans), copies = std::move(copies), reduction, timeout](Group& g) {
+        all_reduce(g, spans, reduction, timeout);
+        for (const auto& t : copies) t.write_back();
+      },
+      executor_);
 }
 
 void ShmBackend::all_reduce_lists(const std::vector<std::vector<at::Tensor>>& lists) {
@@ -264,14 +269,14 @@ void ShmBackend::all_reduce_lists(const std::vector<std::vector<at::Tensor>>& li
                   "; a list all-reduce takes CPU tensors of one float dtype (", list[0].scalar_type(), " here)");
     }
   }
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  works.reserve(lists.size());
+  // The caller waits at once: each list runs on this thread when the queue is empty, without waking the worker.
   for (const auto& list : lists) {
     if (list.empty()) continue;
-    works.push_back(enqueue_list(list, Reduction{real_dtype(list[0]), false}, op_timeout(c10d::kUnsetTimeout),
-                                 OpType::ALLREDUCE_COALESCED, "fastpar:all_reduce_list", {}));
+    auto work = list_work(list, Reduction{real_dtype(list[0]), false}, op_timeout(c10d::kUnsetTimeout),
+                          OpType::ALLREDUCE_COALESCED, "fastpar:all_reduce_list", {});
+    executor_->run_now(work);
+    work->wait(kNoTimeout);  // completed by now: rethrows its failure
   }
-  for (auto& work : works) work->wait();  // runs what is still queued on this thread; rethrows a failure
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::broadcast(std::vector<at::Tensor>& tensors,

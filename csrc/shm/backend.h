@@ -100,9 +100,9 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
                                          ShmWork::Body body);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
-  c10::intrusive_ptr<c10d::Work> enqueue_list(const std::vector<at::Tensor>& tensors, Reduction reduction,
-                                              std::chrono::milliseconds timeout, c10d::OpType type, const char* title,
-                                              std::vector<at::Tensor> outputs);
+  c10::intrusive_ptr<ShmWork> list_work(const std::vector<at::Tensor>& tensors, Reduction reduction,
+                                        std::chrono::milliseconds timeout, c10d::OpType type, const char* title,
+                                        std::vector<at::Tensor> outputs);
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<Options> options_;

@@ -211,7 +211,7 @@ void reduce_ordered(const void* const* src, void* out, void* out2, int64_t len, 
   const int world = order.world();
   dispatch_reducible(dtype, [&](auto tag) {
     using T = decltype(tag);
-    at::parallel_for(0, len, capped_grain(len, kGrain), [&](int64_t begin, int64_t end) {
+    auto sum_range = [&](int64_t begin, int64_t end) {
       const T* chain[kMaxRanks];
       // Pieces that stay inside one ring block share one order: x[b-1], x[b-2], ..., x[b].
       while (begin < end) {
@@ -224,12 +224,22 @@ void reduce_ordered(const void* const* src, void* out, void* out2, int64_t len, 
                      piece_end - begin, average, world);
         begin = piece_end;
       }
-    });
+    };
+    // A list collective sums thousands of small pieces: below the grain, no parallel_for bookkeeping per piece.
+    if (len <= kGrain) {
+      sum_range(0, len);
+    } else {
+      at::parallel_for(0, len, capped_grain(len, kGrain), sum_range);
+    }
   });
 }
 
 void copy_bytes(void* dst, const void* src, size_t bytes) {
   if (bytes == 0 || dst == src) return;
+  if (bytes <= kCopyGrain) {  // one thread's worth (every piece of a list of small tensors): no parallel_for
+    std::memcpy(dst, src, bytes);
+    return;
+  }
   const auto total = static_cast<int64_t>(bytes);
   at::parallel_for(0, total, capped_grain(total, kCopyGrain), [&](int64_t begin, int64_t end) {
     std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin, end - begin);
