@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "shm/collectives.h"
@@ -159,6 +160,17 @@ void ShmBackend::detach(const std::string& reason) {
   reason_ = reason;
 }
 
+void ShmBackend::set_thread_policy(int64_t spin_us, int summation_threads) {
+  if (executor_) executor_->group().set_max_spin(std::chrono::microseconds(std::max<int64_t>(0, spin_us)));
+  set_summation_threads(summation_threads);
+}
+
+std::tuple<int64_t, int> ShmBackend::thread_policy() const {
+  const int64_t spin_us =
+      executor_ ? std::chrono::duration_cast<std::chrono::microseconds>(executor_->group().max_spin()).count() : 0;
+  return {spin_us, summation_threads()};
+}
+
 void ShmBackend::setTimeout(std::chrono::milliseconds timeout) {
   options_->timeout = timeout;
   if (executor_) executor_->group().set_default_timeout(timeout);
@@ -213,21 +225,58 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(std::vector<at::T
   bool handled = executor_ && !tensors.empty() && sum_or_avg(opts.reduceOp);
   for (const auto& t : tensors) handled = handled && reducible_tensor(t) && same_dtype(t, tensors[0]);
   if (!handled) return gloo_->allreduce_coalesced(tensors, opts);
-  const auto timeout = op_timeout(opts.timeout);
-  const c10d::ReduceOp op = opts.reduceOp;
-  return enqueue(OpType::ALLREDUCE_COALESCED, "fastpar:all_reduce_coalesced", tensors, [tensors, op, timeout](Group& g) {
-    // As gloo: one all-reduce of the tensors flattened into one buffer, then copied back.
-    std::vector<at::Tensor> flat;
-    for (const auto& t : tensors) flat.push_back(Dense(t).data.reshape(-1));
-    const Dense all(at::cat(flat));
-    all_reduce(g, all.ptr(), all.numel(), reduction_of(all, op), timeout);
-    int64_t offset = 0;
-    for (const auto& t : tensors) {
-      const Dense target(t);
-      target.user.copy_(all.data.narrow(0, offset, target.numel()).view(target.user.sizes()));
-      offset += target.numel();
+  const Reduction reduction{real_dtype(tensors[0]), opts.reduceOp.op_ == c10d::ReduceOp::AVG};
+  auto work = list_work(tensors, reduction, op_timeout(opts.timeout), OpType::ALLREDUCE_COALESCED,
+                        "fastpar:all_reduce_coalesced", tensors);
+  executor_->submit(work);
+  return work;
+}
+
+// As gloo: one all-reduce of the tensors' concatenation (each in logical order: gloo flattens them), here without
+// the flat copy: every tensor is staged from and summed into where it lies. A contiguous real tensor is used as it
+// is (the caller or the Work holds it); only the others take a Dense (a detached view or a copy).
+c10::intrusive_ptr<ShmWork> ShmBackend::list_work(const std::vector<at::Tensor>& tensors, Reduction reduction,
+                                                   std::chrono::milliseconds timeout, OpType type, const char* title,
+                                                   std::vector<at::Tensor> outputs) {
+  std::vector<Span> spans;
+  std::vector<Dense> copies;
+  spans.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    if (t.is_contiguous() && !t.is_complex()) {
+      spans.push_back({static_cast<char*>(t.data_ptr()), t.numel()});
+    } else {
+      copies.emplace_back(t);
+      spans.push_back({copies.back().ptr(), copies.back().numel()});
     }
-  });
+  }
+  ++seq_;
+  return c10::make_intrusive<ShmWork>(
+      rank_, type, title, std::move(outputs),
+      [spans = std::move(spans), copies = std::move(copies), reduction, timeout](Group& g) {
+        all_reduce(g, spans, reduction, timeout);
+        for (const auto& t : copies) t.write_back();
+      },
+      executor_);
+}
+
+void ShmBackend::all_reduce_lists(const std::vector<std::vector<at::Tensor>>& lists) {
+  TORCH_CHECK(executor_, "fastpar shm backend: all_reduce_lists needs the shared-memory path, which is off: ", reason_);
+  for (size_t k = 0; k < lists.size(); ++k) {
+    const auto& list = lists[k];
+    for (size_t i = 0; i < list.size(); ++i) {
+      TORCH_CHECK(reducible_tensor(list[i]) && same_dtype(list[i], list[0]), "fastpar shm backend: list ", k,
+                  ", tensor ", i, " is ", list[i].scalar_type(), " on ", list[i].device(),
+                  "; a list all-reduce takes CPU tensors of one float dtype (", list[0].scalar_type(), " here)");
+    }
+  }
+  // The caller waits at once: each list runs on this thread when the queue is empty, without waking the worker.
+  for (const auto& list : lists) {
+    if (list.empty()) continue;
+    auto work = list_work(list, Reduction{real_dtype(list[0]), false}, op_timeout(c10d::kUnsetTimeout),
+                          OpType::ALLREDUCE_COALESCED, "fastpar:all_reduce_list", {});
+    executor_->run_now(work);
+    work->wait(kNoTimeout);  // completed by now: rethrows its failure
+  }
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::broadcast(std::vector<at::Tensor>& tensors,

@@ -9,8 +9,10 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "shm/collectives.h"
 #include "shm/work.h"
 
 namespace pybind11 {
@@ -31,6 +33,14 @@ class ShmBackend : public c10d::Backend {
   bool shm_active() const { return executor_ != nullptr; }
   const std::string& fallback_reason() const { return reason_; }
   c10::intrusive_ptr<c10d::Backend> gloo() const { return gloo_; }
+  // The wait and thread policy fastpar/comm/threads.py chooses: how long waits spin before they sleep, how many
+  // threads one reduction splits over. Called before the first collective.
+  void set_thread_policy(int64_t spin_us, int summation_threads);
+  std::tuple<int64_t, int> thread_policy() const;
+  // One list all-reduce (SUM, each list of one reducible dtype, CPU) per entry of `lists`, all queued before the
+  // first wait, then waited for: allreduce_coalesced without the dispatcher's per-tensor boxing, for callers that
+  // hold the tensors until it returns (fastpar.ddp.CoalescedAllReduce). Needs the shared-memory path.
+  void all_reduce_lists(const std::vector<std::vector<at::Tensor>>& lists);
 
   const std::string getBackendName() const override { return "fastpar"; }
   c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
@@ -90,6 +100,9 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
                                          ShmWork::Body body);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
+  c10::intrusive_ptr<ShmWork> list_work(const std::vector<at::Tensor>& tensors, Reduction reduction,
+                                        std::chrono::milliseconds timeout, c10d::OpType type, const char* title,
+                                        std::vector<at::Tensor> outputs);
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<Options> options_;

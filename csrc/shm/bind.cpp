@@ -1,7 +1,10 @@
 // Python bindings of the same-host backend (fastpar._C.ShmBackend and the segment helpers used by
 // fastpar/comm/backend.py, which registers the backend with torch.distributed).
 #include <pybind11/chrono.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include <vector>
 
 #include "shm/backend.h"
 
@@ -57,7 +60,10 @@ void bind(pybind11::module_& m) {
            "Leave the segment: everything goes to gloo from now on")
       .def_property_readonly("shm_active", &ShmBackend::shm_active)
       .def_property_readonly("fallback_reason", &ShmBackend::fallback_reason)
-      .def_property_readonly("gloo", &ShmBackend::gloo);
+      .def_property_readonly("gloo", &ShmBackend::gloo)
+      .def("set_thread_policy", &ShmBackend::set_thread_policy, py::arg("spin_us"), py::arg("summation_threads"),
+           "How long a wait spins before it sleeps (microseconds, 0: at once) and the most threads a reduction "
+           "splits over (process-wide, 0: torch's count); before the first collective");
   m.def(
       "shm_backend_state",
       [](const c10::intrusive_ptr<c10d::Backend>& backend) -> py::object {
@@ -66,6 +72,36 @@ void bind(pybind11::module_& m) {
         return py::make_tuple(shm->shm_active(), shm->fallback_reason());
       },
       py::arg("backend"), "(shm active, why not) of a 'fastpar' backend; None for any other backend");
+  m.def(
+      "shm_thread_policy",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend) -> py::object {
+        const auto* shm = dynamic_cast<const ShmBackend*>(backend.get());
+        if (shm == nullptr || !shm->shm_active()) return py::none();
+        const auto [spin_us, threads] = shm->thread_policy();
+        return py::make_tuple(spin_us, threads);
+      },
+      py::arg("backend"), "(spin_us, summation_threads) of a 'fastpar' backend on shared memory; else None");
+  m.def(
+      "shm_all_reduce_lists",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend, const py::list& lists) {
+        auto* shm = dynamic_cast<ShmBackend*>(backend.get());
+        TORCH_CHECK(shm != nullptr, "shm_all_reduce_lists needs a 'fastpar' backend, got ", backend->getBackendName());
+        // Straight from the Python objects: thousands of tensors cost no dispatcher boxing.
+        std::vector<std::vector<at::Tensor>> tensors(lists.size());
+        for (size_t k = 0; k < lists.size(); ++k) {
+          const auto list = py::reinterpret_borrow<py::sequence>(lists[k]);
+          tensors[k].reserve(list.size());
+          for (const auto& item : list) {
+            TORCH_CHECK_TYPE(THPVariable_Check(item.ptr()), "shm_all_reduce_lists: list ", k, " holds a non-tensor");
+            tensors[k].push_back(THPVariable_Unpack(item.ptr()));
+          }
+        }
+        py::gil_scoped_release no_gil;
+        shm->all_reduce_lists(tensors);
+      },
+      py::arg("backend"), py::arg("lists"),
+      "All-reduce (SUM) each list of CPU tensors in place, one collective per list, all in flight before the first "
+      "wait; returns when all are done");
   m.def("shm_create", &Segment::create, py::arg("name"), py::arg("world"), py::arg("slot_bytes"), py::arg("buffers"),
         py::arg("token"),
         "Create and initialise a group's segment in /dev/shm (mode 0600, pages reserved)");

@@ -84,31 +84,68 @@ void run_steps(Group& g, const OpDesc& desc, std::chrono::milliseconds timeout, 
   }
 }
 
+// The elements of a list of spans as one concatenation: each(lo, len, fn) calls fn(pointer, offset from lo, n) for
+// the pieces of [lo, lo + len) in order, one per span it touches (one call for a single buffer).
+class Pieces {
+ public:
+  Pieces(const std::vector<Span>& spans, size_t element_size)
+      : spans_(spans), starts_(spans.size() + 1, 0), es_(static_cast<int64_t>(element_size)) {
+    for (size_t i = 0; i < spans.size(); ++i) starts_[i + 1] = starts_[i] + spans[i].numel;
+  }
+  int64_t total() const { return starts_.back(); }
+
+  template <typename Fn>
+  void each(int64_t lo, int64_t len, Fn&& fn) const {
+    const int64_t end = lo + len;
+    size_t i = std::upper_bound(starts_.begin(), starts_.end(), lo) - starts_.begin() - 1;
+    for (int64_t at = lo; at < end && i < spans_.size(); ++i) {
+      const int64_t piece_end = std::min(end, starts_[i + 1]);
+      if (piece_end > at) fn(spans_[i].data + (at - starts_[i]) * es_, at - lo, piece_end - at);
+      at = std::max(at, piece_end);
+    }
+  }
+
+ private:
+  const std::vector<Span>& spans_;
+  std::vector<int64_t> starts_;
+  int64_t es_;
+};
+
 }  // namespace
 
 void all_reduce(Group& g, void* data, int64_t numel, Reduction reduction, std::chrono::milliseconds timeout) {
+  all_reduce(g, std::vector<Span>{{static_cast<char*>(data), numel}}, reduction, timeout);
+}
+
+void all_reduce(Group& g, const std::vector<Span>& spans, Reduction reduction, std::chrono::milliseconds timeout) {
   const int world = g.world();
   const int rank = g.rank();
   const size_t es = c10::elementSize(reduction.dtype);
+  const Pieces pieces(spans, es);
+  const int64_t numel = pieces.total();
   const RingOrder order(world, numel, es);
   const int64_t chunk = static_cast<int64_t>(g.slot_bytes() / es);
-  char* base = static_cast<char*>(data);
   const void* src[kMaxRanks];
   const OpDesc desc = reduce_desc(OpKind::kAllReduce, numel, reduction);
+  // Copies elements [lo, lo + len) of the concatenation into (or, `into_spans`, out of) the contiguous `buffer`.
+  auto gather = [&](char* buffer, int64_t lo, int64_t len) {
+    pieces.each(lo, len, [&](char* mine, int64_t at, int64_t n) { copy_bytes(buffer + at * es, mine, n * es); });
+  };
   if (world <= 2 || numel * static_cast<int64_t>(es) <= kDirectBytes) {
     // Every rank sums whole chunks itself: one wait per step.
     run_steps(
         g, desc, timeout, numel, chunk,
         [&](uint64_t step, int64_t lo, int64_t len) {
-          copy_bytes(g.stage(rank, step), base + lo * es, len * es);
+          gather(g.stage(rank, step), lo, len);
           g.signal(Counter::kArrive, step);
         },
         [&](uint64_t step, bool first, int64_t lo, int64_t len) {
           g.wait_all(Counter::kArrive, step);
           if (first) g.check_same_call(step);
-          char* mine = base + lo * es;
-          for (int q = 0; q < world; ++q) src[q] = q == rank ? mine : g.stage(q, step);
-          reduce_ordered(src, mine, nullptr, len, lo, order, reduction.dtype, reduction.average);
+          pieces.each(lo, len, [&](char* mine, int64_t at, int64_t n) {
+            for (int q = 0; q < world; ++q) src[q] = q == rank ? mine : g.stage(q, step) + at * es;
+            reduce_ordered(src, mine, nullptr, n, lo + at, order, reduction.dtype, reduction.average);
+          });
           g.signal(Counter::kDone, step);
         });
     return;
@@ -121,24 +158,29 @@ void all_reduce(Group& g, void* data, int64_t numel, Reduction reduction, std::c
         const int64_t share = share_of(len, world, es);
         for (int q = 0; q < world; ++q) {
           const auto [b, e] = share_range(q, share, len);
-          if (q != rank) copy_bytes(g.stage(rank, step) + b * es, base + (lo + b) * es, (e - b) * es);
+          if (q != rank) gather(g.stage(rank, step) + b * es, lo + b, e - b);
         }
         g.signal(Counter::kArrive, step);
       },
       [&](uint64_t step, bool first, int64_t lo, int64_t len) {
         g.wait_all(Counter::kArrive, step);
         if (first) g.check_same_call(step);
-        char* mine = base + lo * es;
         const int64_t share = share_of(len, world, es);
         const auto [b, e] = share_range(rank, share, len);
-        for (int q = 0; q < world; ++q) src[q] = (q == rank ? mine : g.stage(q, step)) + b * es;
-        reduce_ordered(src, mine + b * es, g.result(step) + b * es, e - b, lo + b, order, reduction.dtype,
-                       reduction.average);
+        pieces.each(lo + b, e - b, [&](char* mine, int64_t at, int64_t n) {
+          const int64_t in_chunk = b + at;
+          for (int q = 0; q < world; ++q) src[q] = q == rank ? mine : g.stage(q, step) + in_chunk * es;
+          reduce_ordered(src, mine, g.result(step) + in_chunk * es, n, lo + in_chunk, order, reduction.dtype,
+                         reduction.average);
+        });
         g.signal(Counter::kReduced, step);
         g.wait_all(Counter::kReduced, step);
         for (int q = 0; q < world; ++q) {
           const auto [qb, qe] = share_range(q, share, len);
-          if (q != rank) copy_bytes(mine + qb * es, g.result(step) + qb * es, (qe - qb) * es);
+          if (q == rank) continue;
+          pieces.each(lo + qb, qe - qb, [&](char* mine, int64_t at, int64_t n) {
+            copy_bytes(mine, g.result(step) + (qb + at) * es, n * es);
+          });
         }
         g.signal(Counter::kDone, step);
       });

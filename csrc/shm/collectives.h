@@ -18,8 +18,18 @@ struct Reduction {
   bool average;  // sum, then divide by the world size
 };
 
+// One contiguous buffer of a list collective: `numel` elements from `data`.
+struct Span {
+  char* data;
+  int64_t numel;
+};
+
 // data (numel elements) becomes the sum over ranks, in place; the same bits on every rank, equal to gloo's.
 void all_reduce(Group& group, void* data, int64_t numel, Reduction reduction, std::chrono::milliseconds timeout);
+// The same over the concatenation of `spans` (all of `reduction.dtype`), each reduced where it lies: staged straight
+// from the spans and summed straight into them, so a list costs what one buffer of its total size costs (no pack
+// into a flat buffer, no unpack), with the bits of an all-reduce of the concatenation (gloo's allreduce_coalesced).
+void all_reduce(Group& group, const std::vector<Span>& spans, Reduction reduction, std::chrono::milliseconds timeout);
 
 // out (count elements) = sum over ranks of their parts[rank]. `order_numel` / `part_offsets[q]` place the parts in
 // the all-reduce whose order the sum follows: gloo reduce-scatters a tensor by all-reducing the whole input

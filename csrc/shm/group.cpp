@@ -22,9 +22,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The most a wait spins before it sleeps (FASTPAR_SHM_SPIN_US). A peer on another core usually arrives within
-// microseconds; with more runnable threads than cores, spinning only steals the core the peer needs.
-std::chrono::nanoseconds max_spin() {
+// The most a wait spins before it sleeps unless the backend sets it (FASTPAR_SHM_SPIN_US). A peer on another core
+// usually arrives within microseconds; with more runnable threads than cores, spinning only steals the core the peer
+// needs (fastpar/comm/threads.py chooses per group).
+std::chrono::nanoseconds default_max_spin() {
   static const std::chrono::nanoseconds budget = [] {
     const char* text = std::getenv("FASTPAR_SHM_SPIN_US");
     const long us = text != nullptr ? std::strtol(text, nullptr, 10) : 50;
@@ -133,7 +134,13 @@ Group::Group(Segment segment, int rank, std::chrono::milliseconds timeout)
       world_(static_cast<int>(header_.world)),
       buffers_(static_cast<int>(header_.buffers)),
       default_timeout_(timeout),
-      spin_(max_spin()) {}
+      max_spin_(default_max_spin()),
+      spin_(max_spin_) {}
+
+void Group::set_max_spin(std::chrono::nanoseconds spin) {
+  max_spin_ = std::max(std::chrono::nanoseconds(0), spin);
+  spin_ = max_spin_;
+}
 
 Group::~Group() {
   if (joined_) leave();
@@ -250,19 +257,21 @@ void Group::wait_until(Ready&& ready, Counter counter, uint64_t step, int only_r
   if (ready()) return;
   // Adaptive: a wait that ends while spinning lets the next spin twice as long, one that has to sleep halves it, so
   // spinning goes away when the peers are descheduled (a loaded machine) and comes back when they run alongside.
-  const auto spin_end = Clock::now() + spin_;
-  for (uint32_t i = 1;; ++i) {
-    cpu_relax();
-    if (ready()) {
-      spin_ = std::min(max_spin(), spin_ * 2);
-      return;
+  if (max_spin_.count() > 0) {
+    const auto spin_end = Clock::now() + spin_;
+    for (uint32_t i = 1;; ++i) {
+      cpu_relax();
+      if (ready()) {
+        spin_ = std::min(max_spin_, spin_ * 2);
+        return;
+      }
+      if ((i & 255) == 0) {
+        if (aborted()) throw_aborted();
+        if (Clock::now() >= spin_end) break;
+      }
     }
-    if ((i & 255) == 0) {
-      if (aborted()) throw_aborted();
-      if (Clock::now() >= spin_end) break;
-    }
+    spin_ = std::max(std::min(kMinSpin, max_spin_), spin_ / 2);
   }
-  spin_ = std::max(std::min(kMinSpin, max_spin()), spin_ / 2);
   while (true) {
     header_.sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t bell = header_.doorbell.load(std::memory_order_seq_cst);

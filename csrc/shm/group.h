@@ -53,6 +53,9 @@ class Group {
   bool aborted() const;
   std::string abort_message() const;
   void set_default_timeout(std::chrono::milliseconds timeout) { default_timeout_ = timeout; }
+  // The longest a wait spins before it sleeps (0: sleep at once). Set before the first collective.
+  void set_max_spin(std::chrono::nanoseconds spin);
+  std::chrono::nanoseconds max_spin() const { return max_spin_; }
 
  private:
   template <typename Ready>
@@ -73,7 +76,8 @@ class Group {
   uint64_t step_ = 0;
   OpDesc current_{};
   uint64_t seq_ = 0;
-  std::chrono::nanoseconds spin_;  // how long the next wait spins before it sleeps
+  std::chrono::nanoseconds max_spin_;
+  std::chrono::nanoseconds spin_;  // how long the next wait spins before it sleeps (adapts, up to max_spin_)
   bool joined_ = false;
 };
 

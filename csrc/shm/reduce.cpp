@@ -8,6 +8,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include "float_convert.h"
@@ -22,6 +23,14 @@ constexpr size_t kCopyGrain = 256 * 1024;  // bytes
 constexpr size_t kSegmentBytes = 1 << 20;  // gloo's AllreduceOptionsImpl::kMaxSegmentSize
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+std::atomic<int> max_threads{0};
+
+// at::parallel_for splits a range into pieces of at least `grain`: a grain of len / threads caps the pieces.
+int64_t capped_grain(int64_t len, int64_t grain) {
+  const int threads = max_threads.load(std::memory_order_relaxed);
+  return threads > 0 ? std::max(grain, ceil_div(len, threads)) : grain;
+}
 
 // How each dtype's tile is widened to the accumulator type, rounded after an add, and stored.
 template <typename T>
@@ -202,7 +211,7 @@ void reduce_ordered(const void* const* src, void* out, void* out2, int64_t len, 
   const int world = order.world();
   dispatch_reducible(dtype, [&](auto tag) {
     using T = decltype(tag);
-    at::parallel_for(0, len, kGrain, [&](int64_t begin, int64_t end) {
+    auto sum_range = [&](int64_t begin, int64_t end) {
       const T* chain[kMaxRanks];
       // Pieces that stay inside one ring block share one order: x[b-1], x[b-2], ..., x[b].
       while (begin < end) {
@@ -215,15 +224,30 @@ void reduce_ordered(const void* const* src, void* out, void* out2, int64_t len, 
                      piece_end - begin, average, world);
         begin = piece_end;
       }
-    });
+    };
+    // A list collective sums thousands of small pieces: below the grain, no parallel_for bookkeeping per piece.
+    if (len <= kGrain) {
+      sum_range(0, len);
+    } else {
+      at::parallel_for(0, len, capped_grain(len, kGrain), sum_range);
+    }
   });
 }
 
 void copy_bytes(void* dst, const void* src, size_t bytes) {
   if (bytes == 0 || dst == src) return;
-  at::parallel_for(0, static_cast<int64_t>(bytes), kCopyGrain, [&](int64_t begin, int64_t end) {
+  if (bytes <= kCopyGrain) {  // one thread's worth (every piece of a list of small tensors): no parallel_for
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  const auto total = static_cast<int64_t>(bytes);
+  at::parallel_for(0, total, capped_grain(total, kCopyGrain), [&](int64_t begin, int64_t end) {
     std::memcpy(static_cast<char*>(dst) + begin, static_cast<const char*>(src) + begin, end - begin);
   });
 }
+
+void set_summation_threads(int threads) { max_threads.store(std::max(0, threads), std::memory_order_relaxed); }
+
+int summation_threads() { return max_threads.load(std::memory_order_relaxed); }
 
 }  // namespace fastpar::shm

@@ -36,4 +36,10 @@ void reduce_ordered(const void* const* src, void* out, void* out2, int64_t len, 
 // memcpy split over at::parallel_for threads for large copies.
 void copy_bytes(void* dst, const void* src, size_t bytes);
 
+// The most threads one reduce_ordered or copy_bytes splits over; 0 (the default): torch's intra-op thread count.
+// Process-wide, because it is this process's share of the cores whichever group reduces: with as many ranks as
+// cores, a summation thread only takes the core of another rank's compute thread, so the reduction runs inline.
+void set_summation_threads(int threads);
+int summation_threads();
+
 }  // namespace fastpar::shm

@@ -139,6 +139,18 @@ void Executor::run_until_done(ShmWork& work) {
   }
 }
 
+void Executor::run_now(c10::intrusive_ptr<ShmWork> work) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (stopping_ || running_ || !queue_.empty()) {
+    lock.unlock();
+    submit(work);
+    run_until_done(*work);
+    return;
+  }
+  queue_.push_back(work);
+  run_head(lock);  // this work: the queue was empty and nobody runs it
+}
+
 void Executor::shutdown() {
   std::vector<std::thread> threads;
   {

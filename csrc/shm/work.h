@@ -62,6 +62,9 @@ class Executor : public std::enable_shared_from_this<Executor> {
   void submit(c10::intrusive_ptr<ShmWork> work);
   // Runs queued collectives on the calling thread until `work` is completed (or the executor stops).
   void run_until_done(ShmWork& work);
+  // For a caller that would wait at once: runs `work` on the calling thread when nothing is queued or running (no
+  // worker wake-up, no hand-off), else queues it and runs the queue until it is done. Then `work` is completed.
+  void run_now(c10::intrusive_ptr<ShmWork> work);
   // Lets the queued collectives finish (as gloo's destructor does), then leaves the group and stops the worker.
   void shutdown();
   // Marks the group broken for every rank and fails what is queued here.

@@ -9,15 +9,27 @@ group that spans hosts, runs on gloo. ``import fastpar`` registers the name::
     fastpar.comm.shm_status()                     # {'backend': 'fastpar', 'shm': True, 'reason': ''}
 """
 
-from .backend import BACKEND_NAME, is_available, register, shm_status, staging
+from .backend import (
+    BACKEND_NAME,
+    all_reduce_lists,
+    is_available,
+    reduces_lists,
+    register,
+    shm_status,
+    staging,
+    thread_policy,
+)
 from .segments import list_segments, sweep_stale_segments
 
 __all__ = [
     "BACKEND_NAME",
+    "all_reduce_lists",
     "is_available",
     "list_segments",
+    "reduces_lists",
     "register",
     "shm_status",
     "staging",
     "sweep_stale_segments",
+    "thread_policy",
 ]

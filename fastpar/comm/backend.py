@@ -30,6 +30,7 @@ import warnings
 import torch
 
 from ..ops import loader
+from . import threads
 from .segments import SHM_DIR, segment_name, sweep_stale_segments
 
 BACKEND_NAME = "fastpar"
@@ -165,12 +166,68 @@ def _create_backend(opts, backend_options=None):
         return gloo
     backend = ext.ShmBackend(rank, size, gloo, timeout)
     reason = _rendezvous(backend, ext, store, f"{_KEY}{generation}/", rank, size, str(opts.group_id))
+    if not reason and hasattr(backend, "set_thread_policy"):  # every rank is on this host: they share its cores
+        policy = threads.choose(local_ranks=size)
+        backend.set_thread_policy(policy.spin_us, policy.summation_threads)
     if reason and rank == 0:
         expected = "span" in reason or "FASTPAR_SHM=0" in reason
         (_log.info if expected else _log.warning)(
             "fastpar backend, group %s: gloo for all collectives: %s", opts.group_id, reason
         )
     return backend
+
+
+def _shm_backend(group):
+    """The CPU backend of ``group`` (default: the default group) when it is fastpar's on shared memory, else None."""
+    import torch.distributed as dist
+
+    ext = loader.extension()
+    if ext is None or not hasattr(ext, "shm_all_reduce_lists"):
+        return None
+    try:
+        backend = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+    state = ext.shm_backend_state(backend)
+    return backend if state is not None and state[0] else None
+
+
+def reduces_lists(group=None) -> bool:
+    """Whether :func:`all_reduce_lists` can run on ``group``: fastpar's backend on shared memory."""
+    return _shm_backend(group) is not None
+
+
+def all_reduce_lists(lists, group=None) -> None:
+    """All-reduce (SUM) every list of CPU tensors in place: one collective per list, each staging its tensors and
+    summing into them where they lie (the bits of an all-reduce of the list's concatenation, gloo's
+    ``all_reduce_coalesced``), all in flight before the first wait; returns when all are done. Each list holds one
+    float dtype. Needs :func:`reduces_lists`."""
+    backend = _shm_backend(group)
+    if backend is None:
+        raise RuntimeError(
+            "all_reduce_lists needs a process group on fastpar's shared-memory backend "
+            "(init_process_group('fastpar') with every rank on this host); use torch.distributed.all_reduce_coalesced"
+        )
+    loader.extension().shm_all_reduce_lists(backend, lists)
+
+
+def thread_policy(group=None) -> dict | None:
+    """The wait and thread policy of the "fastpar" backend of ``group`` (default: the default group), as
+    :mod:`fastpar.comm.threads` chose it: ``{"spin_us": int, "summation_threads": int}``; None when the group
+    does not run on shared memory."""
+    import torch.distributed as dist
+
+    group = group or dist.group.WORLD
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:
+        return None
+    ext = loader.extension()
+    policy = ext.shm_thread_policy(backend) if ext is not None and hasattr(ext, "shm_thread_policy") else None
+    if policy is None:
+        return None
+    spin_us, summation_threads = policy
+    return {"spin_us": spin_us, "summation_threads": summation_threads}
 
 
 def shm_status(group=None) -> dict:

@@ -5,7 +5,9 @@ Each bucket is packed with one ``fastpar.ops.pack`` call and its collective laun
 bucket k+1 overlaps reducing bucket k; bucket k is unpacked the moment its collective is back -- polled
 between packs (``pipeline.FinishQueue``), then in order -- while later buckets are still on the wire.
 On GPUs every step is stream-ordered (pack and unpack on the current stream, the collective on NCCL's),
-so the host never waits.
+so the host never waits. On the "fastpar" backend's shared memory a bucket needs no flat buffer at all: the
+backend stages every tensor and sums into it where it lies (one list collective per bucket), so the pack and
+unpack passes disappear; the buckets and their summation order are the same as on the packed path.
 
 :class:`CoalescedAllReduce` prepares the plan and the flat buffers once for a fixed list of tensors (as
 DDP builds its buckets once): a call then does no per-tensor Python work. :func:`all_reduce_coalesced`
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from ..comm import all_reduce_lists, reduces_lists
 from .buckets import assign_buckets, default_caps
 from .pipeline import FinishQueue
 
@@ -46,6 +49,12 @@ def _check_dtypes(tensors: Sequence[torch.Tensor]) -> None:
     for i, t in enumerate(tensors):
         if t.dtype not in ops.SUPPORTED_DTYPES:
             raise TypeError(f"all_reduce_coalesced: tensors[{i}] has dtype {t.dtype}; use float32/float16/bfloat16")
+
+
+def reduces_in_place(group: dist.ProcessGroup | None, tensors: Sequence[torch.Tensor], scale: float) -> bool:
+    """Whether ``group`` reduces a list of ``tensors`` where they lie, with nothing to pack: the "fastpar" backend on
+    shared memory, CPU tensors, no scaling (a scale would be one more pass over every tensor)."""
+    return scale == 1.0 and bool(tensors) and tensors[0].device.type == "cpu" and reduces_lists(group)
 
 
 def _reduce_buckets(buckets: Sequence[_Bucket], group: dist.ProcessGroup | None, scale: float, works: list) -> None:
@@ -84,13 +93,24 @@ class CoalescedAllReduce:
         _check_dtypes(tensors)
         self.group = group
         plan = plan_coalesced_buckets(tensors, bucket_cap_mb, dist.get_world_size(group)) if tensors else []
-        self.buckets: list[_Bucket] = []
-        for indices in plan:
-            members = [tensors[i] for i in indices]
-            flat = torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype, device=members[0].device)
-            self.buckets.append((members, flat))
+        self.lists = [[tensors[i] for i in indices] for indices in plan]
+        self.in_place = reduces_in_place(group, tensors, 1.0)
+        self._flats: list[torch.Tensor] | None = None  # made on the first packed call
+
+    @property
+    def buckets(self) -> list[_Bucket]:
+        """(members, flat buffer) of each bucket, for the packed path."""
+        if self._flats is None:
+            self._flats = [
+                torch.empty(sum(t.numel() for t in members), dtype=members[0].dtype, device=members[0].device)
+                for members in self.lists
+            ]
+        return list(zip(self.lists, self._flats, strict=True))
 
     def __call__(self, scale: float = 1.0) -> None:
+        if self.in_place and scale == 1.0:
+            all_reduce_lists(self.lists, self.group)
+            return
         _reduce_buckets(self.buckets, self.group, scale, [])
 
 
@@ -180,6 +200,9 @@ def all_reduce_coalesced(
     if not tensors:
         return
     plan = _plans.plan(tensors, bucket_cap_mb, dist.get_world_size(group))
+    if reduces_in_place(group, tensors, scale):
+        all_reduce_lists([[tensors[i] for i in indices] for indices in plan], group)
+        return
     buckets: list[_Bucket] = []
     works: list = []
     try:

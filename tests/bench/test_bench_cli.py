@@ -277,7 +277,7 @@ def test_ddp_variants_skip_only_what_torch_lacks():
     from fastpar.bench.benchmarks.ddp_step import VARIANTS, available_variants, build_model
 
     names, notes = available_variants()
-    assert names[:2] == ["no_comm", "ddp"] and set(names) <= set(VARIANTS)
+    assert names[:3] == ["no_comm", "no_overlap", "ddp"] and set(names) <= set(VARIANTS)
     assert len(names) + len(notes) - ("fastpar" in " ".join(notes)) == len(VARIANTS)
     mlp = build_model("mlp")
     assert sum(p.numel() for p in mlp.parameters()) == 16 * (1024 * 1024 + 1024)
@@ -302,10 +302,34 @@ def test_ddp_goals_compare_with_the_best_fp32_torch_variant_and_the_best_fixed_c
     goals = step_goals("m", seconds)
     lines = [g.line() for g in goals]
     # the fp16 hook is not an fp32 variant: the best fp32 torch variant is ddp_bucket_view (1.62 / 1.8 = 0.90)
-    assert "goal: m: fastpar_fp32 step <= 0.92x the best fp32 torch variant (ddp_bucket_view): 0.90x -> MET" in lines
+    assert "goal: m: fastpar_fp32 step <= 0.95x the best fp32 torch variant (ddp_bucket_view): 0.90x -> MET" in lines
     assert "goal: m: fastpar_bf16 step <= 0.85x ddp_fp16_hook: 0.86x -> NOT MET" in lines
     assert "goal: m: fastpar_auto step <= 1.00x the best fixed cap (fastpar_cap_4): 1.01x -> NOT MET" in lines
     assert [(g.met, g.flagged) for g in goals] == [(True, False), (False, False), (False, False)]
+
+
+def test_ddp_goals_on_the_fastpar_backend_compare_each_wire_with_its_own_torch_variants_and_no_comm():
+    from fastpar.bench.benchmarks.ddp_step import step_goals
+
+    seconds = {
+        "no_comm": 1.0,
+        "ddp": 1.3,
+        "ddp_view_cap": 1.2,
+        "fastpar_fp32": 1.1,
+        "ddp_gloo": 2.0,
+        "ddp_bucket_view_gloo": 1.9,
+        "fastpar_fp32_gloo": 1.9,
+    }
+    lines = [g.line() for g in step_goals("m", seconds, "fastpar")]
+    # each wire's best: ddp_view_cap on the fastpar backend (1.1 / 1.2), ddp_bucket_view_gloo on gloo (1.9 / 1.9)
+    assert lines == [
+        "goal: m: fastpar_fp32 step <= 0.95x the best fp32 torch variant (ddp_view_cap): 0.92x -> MET",
+        "goal: m: fastpar_fp32_gloo step <= 0.95x the best fp32 torch variant on gloo (ddp_bucket_view_gloo): "
+        "1.00x -> NOT MET",
+        "goal: m: fastpar_fp32 step <= 1.15x no_comm: 1.10x -> MET",
+        "goal: m: fastpar_fp32 step <= 0.80x ddp_gloo: 0.55x -> MET",
+    ]
+    assert not any("no_comm" in g.line() for g in step_goals("m", seconds, "gloo"))  # the floor goal: fastpar wire
 
 
 @pytest.mark.slow

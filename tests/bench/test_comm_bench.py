@@ -38,3 +38,5 @@ def test_ddp_step_on_fastpar_times_stock_ddp_on_gloo(capsys):
     assert main([*argv, "-n", "1", "-w", "0", "--rounds", "1"]) == 0
     printed = capsys.readouterr().out
     assert "ddp_gloo" in printed and "goal: blocks: fastpar_fp32 step <= 0.80x ddp_gloo" in printed
+    assert "fastpar_fp32_gloo" in printed and "no_overlap_gloo" not in printed  # only the selected wrappers twin
+    assert "goal: blocks: fastpar_fp32 step <= 1.15x no_comm" in printed and "cpu x no_comm" in printed

@@ -363,3 +363,38 @@ def _large_rank(rank: int, world: int) -> bool:
 @pytest.mark.slow
 def test_256_megabyte_all_reduce_matches_gloo():
     assert spawn(_large_rank, 2, backend="fastpar", timeout=900) == [True, True]
+
+
+def _list_all_reduce_rank(rank: int, world: int) -> list[str]:
+    """all_reduce_coalesced stages each tensor and sums into it where it lies: the bits of gloo's all-reduce of the
+    concatenation, with tensors cut across staging chunks, empty ones, a transposed one, both paths at 3 ranks."""
+    import warnings
+
+    gloo = dist.new_group(backend="gloo")
+    failures = []
+    lists = {
+        "many": [1, 4099, 300_001, 0, 77, 65_536, 200_000],
+        "small": [3, 0, 1000, 13],  # under 64 KB: every rank sums whole chunks, also at 3 ranks
+    }
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, sizes in lists.items():
+            for op_name, op in (("sum", dist.ReduceOp.SUM), ("avg", dist.ReduceOp.AVG)):
+
+                def call(group, sizes=sizes, dtype=dtype, op=op):
+                    ts = [_values(rank, n, dtype, salt=i) for i, n in enumerate(sizes)]
+                    ts.append(_values(rank, 33 * 17, dtype, salt=99).view(33, 17).t())  # not contiguous
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", FutureWarning)  # all_reduce_coalesced is deprecated
+                        dist.all_reduce_coalesced(ts, op=op, group=group)
+                    return torch.cat([t.reshape(-1) for t in ts])
+
+                if not _same(*_both(call, gloo)):
+                    failures.append(f"{name}/{op_name} {dtype}")
+    dist.barrier()
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_list_all_reduce_sums_in_place_with_gloos_bits(world):
+    for rank, failures in enumerate(spawn(_list_all_reduce_rank, world, backend="fastpar", timeout=300)):
+        assert failures == [], f"rank {rank}: differs from gloo: {failures}"

@@ -45,3 +45,32 @@ def test_plan_is_ddps_rule_one_dtype_per_bucket():
 def test_plan_rejects_nonpositive_cap():
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         plan_coalesced_buckets([torch.zeros(1)], bucket_cap_mb=0)
+
+
+def _in_place_rank(rank: int, world_size: int) -> dict:
+    """On the fastpar backend a bucket is one list all-reduce, nothing packed; the same bits as packing on gloo."""
+    import torch.distributed as dist
+
+    from fastpar.ddp import CoalescedAllReduce, all_reduce_coalesced
+
+    gloo = dist.new_group(backend="gloo")
+    g = torch.Generator().manual_seed(rank)
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16]
+    tensors = [torch.randn(97 * (i + 1), generator=g).to(dtypes[i % 4]) for i in range(40)]
+    on_gloo = [t.clone() for t in tensors]
+    one_shot = [t.clone() for t in tensors]
+    prepared = CoalescedAllReduce(tensors, bucket_cap_mb=0.002)
+    packed = CoalescedAllReduce(on_gloo, gloo, bucket_cap_mb=0.002)
+    prepared()
+    packed()
+    all_reduce_coalesced(one_shot, bucket_cap_mb=0.002)
+    return {
+        "paths": (prepared.in_place, packed.in_place, len(prepared.lists) > 5),
+        "prepared": all(torch.equal(a, b) for a, b in zip(tensors, on_gloo, strict=True)),
+        "one_shot": all(torch.equal(a, b) for a, b in zip(one_shot, on_gloo, strict=True)),
+    }
+
+
+def test_fastpar_backend_reduces_buckets_in_place_with_the_packed_paths_bits():
+    for result in spawn(_in_place_rank, 2, backend="fastpar", timeout=120):
+        assert result == {"paths": (True, False, True), "prepared": True, "one_shot": True}

@@ -1,81 +1,69 @@
-"""``fastpar bench ddp``: training-step time of fastpar's DDP against stock torch DDP and no communication.
+"""``fastpar bench ddp``: training-step time of fastpar's DDP against stock torch DDP, on the same wire, and
+against no communication at all.
 
 One step = ``zero_grad(set_to_none=True)`` + forward + backward + SGD step, loss ``out.square().mean()``.
-Models: ``mlp`` = 16 x (Linear(1024, 1024) + GELU) on (64, 1024); ``blocks`` = 96 x (Linear(256, 256) +
-LayerNorm(256) + GELU) on (64, 256). Variants, interleaved in rounds on the same ranks:
+Models: ``mlp`` ("wide") = 16 x (Linear(1024, 1024) + GELU) on (64, 1024); ``blocks`` ("deep") = 96 x
+(Linear(256, 256) + LayerNorm(256) + GELU) on (64, 256). The variants (``ddp_variants``) run interleaved in rounds
+on the same ranks; with ``--backend fastpar`` the wrappers also run on a gloo group over the same ranks
+(suffix ``_gloo``), so torch's DDP on fastpar's backend is timed beside fastpar's DDP on it, and both beside
+their gloo twins and the no-overlap reference on each wire.
 
-  no_comm           the bare model, no DDP: the floor
-  ddp               torch DistributedDataParallel with its defaults: the peer
-  ddp_bucket_view   gradient_as_bucket_view=True
-  ddp_batched_copy  batched_grad_copy=True (only when the installed torch has it)
-  ddp_fastpar_cap   torch DDP with bucket_cap_mb set to the cap fastpar chooses for this model
-  ddp_fp16_hook     torch DDP + fp16_compress_hook
-  fastpar_fp32      fastpar.DistributedDataParallel
-  fastpar_bf16      fastpar.DistributedDataParallel(grad_dtype=torch.bfloat16)
-  fastpar_cap_<C>   fastpar.DistributedDataParallel(bucket_cap_mb=C), C = 1, 4, 25
-  fastpar_auto      fastpar.DistributedDataParallel(bucket_cap_mb="auto"), settled before timing (the
-                    steps it measures and decides in are run first, on the same batch)
-  ddp_gloo          with --backend fastpar: torch DDP on a gloo group over the same ranks (stock CPU DDP)
+Before timing, every variant takes one step on the same batch on every rank; its parameters must then equal stock
+DDP's: bit for bit in fp32 (two ranks: every wrapper's sum is the same pair of adds), within a tolerance for the
+fp16/bf16 reductions and for other summation orders on more ranks.
 
-Before timing, every variant takes one step on the same batch on every rank; its parameters must then
-equal stock DDP's: bit for bit in fp32, within a tolerance for the fp16/bf16 reductions.
+Every row also shows the CPU time the rank's process spent per step (all its threads: compute, the backend's
+worker, gloo's), the median over the timed steps: on a loaded machine wall time counts other jobs' time slices,
+CPU time counts what the step itself burned.
 
-Goals (declared below): fastpar_fp32 <= 0.92x the best fp32 torch variant; fastpar_bf16 <= 0.85x
-ddp_fp16_hook; fastpar_auto <= the best of fastpar_cap_1/4/25; on the fastpar backend fastpar_fp32 <=
-0.80x ddp_gloo. A variant faster than no_comm is flagged, and a goal that compares it is IMPOSSIBLE.
+Goals (declared below): fastpar_fp32 <= 0.95x the best fp32 torch variant on the same wire; on the fastpar backend
+also fastpar_fp32_gloo <= 0.95x the best fp32 torch variant on gloo, fastpar_fp32 <= 1.15x no_comm and <= 0.80x
+ddp_gloo; fastpar_bf16 <= 0.85x ddp_fp16_hook (on each wire); fastpar_auto <= the best of fastpar_cap_1/4/25. A variant faster
+than no_comm is flagged, and a goal that compares it is IMPOSSIBLE.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from .. import launch
 from ..context import BenchContext
 from ..goals import AT_MOST, Goal, Verdict
-from ..harness import BenchUsageError
-from ..table import BenchReport, PlotSpec
-from .training_step import MODELS as ALL_MODELS
-from .training_step import (
-    build_model,
-    check_one_step,
-    floor_flags,
-    pair_flag,
-    parse_models,
-    step_columns,
-    step_header,
+from ..harness import BenchUsageError, median
+from ..table import BenchReport, Column, PlotSpec
+from .ddp_variants import (
+    FIXED_CAPS,
+    GLOO,
+    LOW_PRECISION,
+    MODELS,
+    NICKNAMES,
+    TWINNED,
+    VARIANTS,
+    Trainee,
+    available_variants,
+    base_of,
+    fastpar_cap_mb,
+    on_gloo_twin,
+    step_call,
 )
+from .training_step import build_model, check_one_step, floor_flags, pair_flag, parse_models, step_columns, step_header
 
-DESCRIPTION = "DDP step time: fastpar vs torch DDP variants vs a no-communication step"
+__all__ = ["VARIANTS", "available_variants", "build_model", "step_call", "step_goals"]
+
+DESCRIPTION = "DDP step time: fastpar vs torch DDP variants on the same wire vs a no-communication step"
 USES = {"nproc"}
 DEFAULTS = {"iters": 2, "warmup": 1, "rounds": 5}
-MODELS = {name: ALL_MODELS[name] for name in ("mlp", "blocks")}
-VARIANTS = (
-    "no_comm",
-    "ddp",
-    "ddp_bucket_view",
-    "ddp_batched_copy",
-    "ddp_fastpar_cap",
-    "ddp_fp16_hook",
-    "fastpar_fp32",
-    "fastpar_bf16",
-    "fastpar_cap_1",
-    "fastpar_cap_4",
-    "fastpar_cap_25",
-    "fastpar_auto",
-)
-LOW_PRECISION = ("ddp_fp16_hook", "fastpar_bf16")
-PEER_VARIANT = "ddp_gloo"  # --backend fastpar only
-FIXED_CAPS = ("fastpar_cap_1", "fastpar_cap_4", "fastpar_cap_25")
-AUTO_SETTLE_MAX_STEPS = 60
-FP32_VS_BEST_TORCH = Goal("fastpar_fp32 step", "the best fp32 torch variant", 0.92, AT_MOST)
+PEER_VARIANT = "ddp" + GLOO  # stock torch DDP on gloo (--backend fastpar only)
+FP32_VS_BEST_TORCH = Goal("fastpar_fp32 step", "the best fp32 torch variant", 0.95, AT_MOST)
+FP32_GLOO_VS_BEST_TORCH_GLOO = Goal("fastpar_fp32_gloo step", "the best fp32 torch variant on gloo", 0.95, AT_MOST)
+FP32_VS_NO_COMM = Goal("fastpar_fp32 step", "no_comm", 1.15, AT_MOST)  # on the fastpar backend
 BF16_VS_FP16_HOOK = Goal("fastpar_bf16 step", "ddp_fp16_hook", 0.85, AT_MOST)
+BF16_GLOO_VS_FP16_HOOK_GLOO = Goal("fastpar_bf16_gloo step", "ddp_fp16_hook_gloo", 0.85, AT_MOST)
 FP32_VS_GLOO = Goal("fastpar_fp32 step", PEER_VARIANT, 0.80, AT_MOST)  # on the fastpar backend
 AUTO_VS_BEST_CAP = Goal("fastpar_auto step", "the best fixed cap", 1.0, AT_MOST)
 
@@ -91,115 +79,50 @@ class DdpSettings:
     lr: float
 
 
-def available_variants() -> tuple[list[str], list[str]]:
-    """Variants this installation can run, and a note for each one it cannot."""
-    from torch.nn.parallel import DistributedDataParallel
+class CpuClock:
+    """Wraps each variant's step to record the process CPU time (every thread) each call took."""
 
-    names, notes = list(VARIANTS), []
-    if "batched_grad_copy" not in inspect.signature(DistributedDataParallel.__init__).parameters:
-        names.remove("ddp_batched_copy")
-        notes.append(f"ddp_batched_copy skipped: torch {torch.__version__} DDP has no batched_grad_copy")
-    try:
-        importlib.import_module("fastpar.ddp").DistributedDataParallel  # noqa: B018
-    except (ImportError, AttributeError) as exc:
-        names = [n for n in names if not n.startswith("fastpar")]
-        notes.append(f"fastpar_fp32/fastpar_bf16 skipped: fastpar.DistributedDataParallel is not available ({exc})")
-    return names, notes
+    def __init__(self) -> None:
+        self.calls: dict[str, list[float]] = {}
 
+    def wrap(self, name: str, step: Callable[[], None]) -> Callable[[], None]:
+        spent = self.calls.setdefault(name, [])
 
-def wrap(variant: str, model: nn.Module, peer_group=None) -> nn.Module:
-    """``model`` wrapped as ``variant`` (on CPU; a CUDA model gets its device id); ``peer_group`` is the gloo
-    group of ``ddp_gloo``."""
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+        def timed() -> None:
+            start = time.process_time()
+            step()
+            spent.append(time.process_time() - start)
 
-    device_ids = [next(model.parameters()).device.index] if next(model.parameters()).is_cuda else None
-    if variant == "no_comm":
-        return model
-    if variant == "ddp":
-        return TorchDDP(model, device_ids=device_ids)
-    if variant == PEER_VARIANT:
-        return TorchDDP(model, device_ids=device_ids, process_group=peer_group)
-    if variant == "ddp_bucket_view":
-        return TorchDDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    if variant == "ddp_batched_copy":
-        return TorchDDP(model, device_ids=device_ids, batched_grad_copy=True)
-    if variant == "ddp_fastpar_cap":
-        return TorchDDP(model, device_ids=device_ids, bucket_cap_mb=fastpar_cap_mb(model))
-    if variant == "ddp_fp16_hook":
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+        return timed
 
-        wrapped = TorchDDP(model, device_ids=device_ids)
-        wrapped.register_comm_hook(None, fp16_compress_hook)
-        return wrapped
-    from ...ddp import DistributedDataParallel as FastparDDP
-
-    if variant == "fastpar_fp32":
-        return FastparDDP(model, device_ids=device_ids)
-    if variant == "fastpar_bf16":
-        return FastparDDP(model, device_ids=device_ids, grad_dtype=torch.bfloat16)
-    if variant.startswith("fastpar_cap_"):
-        return FastparDDP(model, device_ids=device_ids, bucket_cap_mb=float(variant.removeprefix("fastpar_cap_")))
-    if variant == "fastpar_auto":
-        return FastparDDP(model, device_ids=device_ids, bucket_cap_mb="auto")
-    raise ValueError(f"unknown variant {variant!r}")
-
-
-def fastpar_cap_mb(model: nn.Module) -> float:
-    """The bucket cap (MB) fastpar's DDP picks for ``model`` on this process group when given none."""
-    import torch.distributed as dist
-
-    from ...ddp.buckets import default_caps
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    return default_caps(params, dist.get_world_size())[-1] / 2**20
-
-
-class Trainee:
-    """One variant's model, optimizer and step."""
-
-    def __init__(self, variant: str, model_name: str, device: torch.device, lr: float, peer_group=None) -> None:
-        self.model = wrap(variant, build_model(model_name).to(device), peer_group)
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=lr)
-
-    def step(self, x: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.model(x).square().mean().backward()
-        self.optimizer.step()
-
-    def settle(self, x: torch.Tensor) -> int:
-        """With bucket_cap_mb="auto": train on ``x`` until the layout is decided; returns the steps taken."""
-        auto = getattr(getattr(self.model, "reducer", None), "auto", None)
-        steps = 0
-        while auto is not None and auto.phase not in ("done", "off") and steps < AUTO_SETTLE_MAX_STEPS:
-            self.step(x)
-            steps += 1
-        return steps
-
-    def flat_params(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
-
-
-def step_call(rank: int, world_size: int, variant: str, model_name: str, batch: int = 64) -> Callable[[], None]:
-    """One rank's training step of ``variant`` on CPU (for ``fastpar.bench.peers``)."""
-    trainee = Trainee(variant, model_name, torch.device("cpu"), lr=0.01)
-    x = torch.randn(batch, MODELS[model_name][0], generator=torch.Generator().manual_seed(100 + rank))
-    trainee.settle(x)
-    return lambda: trainee.step(x)
+    def medians(self, timed_calls: int, device: torch.device) -> dict[str, float]:
+        """Median CPU seconds of each variant's last ``timed_calls`` calls, the largest over the ranks."""
+        names = list(self.calls)
+        values = [median(self.calls[n][-timed_calls:]) for n in names]
+        return dict(zip(names, launch.slowest(values, device), strict=True))
 
 
 def _tolerance(variant: str, world_size: int) -> dict:
-    if variant not in LOW_PRECISION and variant != "no_comm":
-        if world_size > 2 and variant in FIXED_CAPS:  # another layout, another summation order
-            return {"rtol": 1e-5, "atol": 1e-7}
-        return {}
-    return {"rtol": 1e-3, "atol": 1e-5 if variant == "no_comm" else 1e-4}
+    base = base_of(variant)
+    if base in LOW_PRECISION or base == "no_comm":
+        return {"rtol": 1e-3, "atol": 1e-5 if base == "no_comm" else 1e-4}
+    if world_size > 2 and (base in FIXED_CAPS or base == "no_overlap"):  # another layout, another summation order
+        return {"rtol": 1e-5, "atol": 1e-7}
+    return {}
+
+
+def wires(variants: list[str], twins: bool) -> list[str]:
+    """The variants to build: each selected one, then (``twins``: on the fastpar backend) the gloo twin of each
+    selected fp32 wrapper."""
+    return [*variants, *(v + GLOO for v in variants if twins and v in TWINNED)]
 
 
 def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: DdpSettings) -> BenchReport | None:
     device = launch.rank_device(ctx.backend)
     peer_group = launch.gloo_peer(ctx.backend)
-    variants = [*settings.variants, PEER_VARIANT] if peer_group is not None else settings.variants
+    variants = wires(settings.variants, peer_group is not None)
     results: dict[str, dict[str, float]] = {}
+    cpu: dict[str, dict[str, float]] = {}
     fastpar_caps: dict[str, float] = {}
     auto_notes: list[str] = []
     for model_name in settings.models:
@@ -212,13 +135,14 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: DdpSetti
         for variant, trainee in trainees.items():
             if trainee.settle(batch):
                 auto_notes.append(f"{model_name} {variant}: {_auto_note(trainee.model.comm_stats()['auto'])}")
-        results[model_name] = launch.time_on_all_ranks(
-            {v: (lambda t=t, x=batch: t.step(x)) for v, t in trainees.items()}, ctx.plan, device
-        )
+        clock = CpuClock()
+        steps = {v: clock.wrap(v, lambda t=t, x=batch: t.step(x)) for v, t in trainees.items()}
+        results[model_name] = launch.time_on_all_ranks(steps, ctx.plan, device)
+        cpu[model_name] = clock.medians(ctx.rounds * ctx.iters, device)
         del trainees
     if rank != 0:
         return None
-    return _report(ctx, settings, world_size, results, fastpar_caps, auto_notes)
+    return _report(ctx, settings, world_size, results, cpu, fastpar_caps, auto_notes)
 
 
 def _auto_note(summary: dict) -> str:
@@ -227,8 +151,18 @@ def _auto_note(summary: dict) -> str:
     return f"chose {summary.get('chosen')}, kept {summary.get('kept')} ({summary.get('buckets')} buckets; {steps})"
 
 
-def step_goals(model_name: str, seconds: dict[str, float]) -> list[Verdict]:
-    """The declared goals checked for one model's step times (seconds per variant)."""
+def _fp32_torch(seconds: dict[str, float], gloo: bool) -> dict[str, float]:
+    """The fp32 torch DDP variants on one wire (the gloo twins, or the main wire)."""
+    return {
+        v: t
+        for v, t in seconds.items()
+        if base_of(v).startswith("ddp") and base_of(v) not in LOW_PRECISION and on_gloo_twin(v) == gloo
+    }
+
+
+def step_goals(model_name: str, seconds: dict[str, float], backend: str = "gloo") -> list[Verdict]:
+    """The declared goals checked for one model's step times (seconds per variant) on ``backend`` (the main wire;
+    the ``_gloo`` twins run on gloo)."""
     flags = floor_flags(model_name, seconds)
     goals = []
 
@@ -237,11 +171,18 @@ def step_goals(model_name: str, seconds: dict[str, float]) -> list[Verdict]:
         ratio = seconds[ours] / seconds[theirs]
         goals.append(goal.check(ratio, scope=model_name, reference=reference, flag=pair_flag(flags, ours, theirs)))
 
-    fp32_torch = {v: t for v, t in seconds.items() if v.startswith("ddp") and v not in (*LOW_PRECISION, PEER_VARIANT)}
-    if "fastpar_fp32" in seconds:
-        check(FP32_VS_BEST_TORCH, "fastpar_fp32", min(fp32_torch, key=fp32_torch.get), named=True)
+    same_wire = _fp32_torch(seconds, gloo=False)
+    if "fastpar_fp32" in seconds and same_wire:
+        check(FP32_VS_BEST_TORCH, "fastpar_fp32", min(same_wire, key=same_wire.get), named=True)
+    on_gloo = _fp32_torch(seconds, gloo=True)
+    if "fastpar_fp32" + GLOO in seconds and on_gloo:
+        check(FP32_GLOO_VS_BEST_TORCH_GLOO, "fastpar_fp32" + GLOO, min(on_gloo, key=on_gloo.get), named=True)
+    if "fastpar_fp32" in seconds and backend == "fastpar":
+        check(FP32_VS_NO_COMM, "fastpar_fp32", "no_comm")
     if "fastpar_bf16" in seconds and "ddp_fp16_hook" in seconds:
         check(BF16_VS_FP16_HOOK, "fastpar_bf16", "ddp_fp16_hook")
+    if "fastpar_bf16" + GLOO in seconds and "ddp_fp16_hook" + GLOO in seconds:
+        check(BF16_GLOO_VS_FP16_HOOK_GLOO, "fastpar_bf16" + GLOO, "ddp_fp16_hook" + GLOO)
     if "fastpar_fp32" in seconds and PEER_VARIANT in seconds:
         check(FP32_VS_GLOO, "fastpar_fp32", PEER_VARIANT)
     fixed = {v: seconds[v] for v in FIXED_CAPS if v in seconds}
@@ -255,35 +196,69 @@ def _report(
     settings: DdpSettings,
     world_size: int,
     results: dict[str, dict[str, float]],
+    cpu: dict[str, dict[str, float]],
     fastpar_caps: dict[str, float],
     auto_notes: list[str],
 ) -> BenchReport:
     rows, footer, goals = [], [], []
     for model_name, seconds in results.items():
         floor, peer = seconds["no_comm"], seconds["ddp"]
+        cpu_floor = cpu[model_name]["no_comm"]
         for variant, t in seconds.items():
-            rows.append(dict(model=model_name, variant=variant, step_ms=t * 1e3, x_floor=t / floor, x_ddp=t / peer))
+            spent = cpu[model_name][variant]
+            rows.append(
+                dict(
+                    model=model_name,
+                    variant=variant,
+                    step_ms=t * 1e3,
+                    x_floor=t / floor,
+                    x_ddp=t / peer,
+                    cpu_ms=spent * 1e3,
+                    cpu_x_floor=spent / cpu_floor if cpu_floor > 0 else None,
+                )
+            )
         footer += [f"beyond a bound: {flag}" for flag in floor_flags(model_name, seconds).values()]
-        goals += step_goals(model_name, seconds)
+        goals += step_goals(model_name, seconds, ctx.backend)
     caps = ", ".join(f"{m} bucket_cap_mb={c:g}" for m, c in fastpar_caps.items())
+    models = ", ".join(f"{m} ({NICKNAMES[m]})" for m in results)
+    twins = any(on_gloo_twin(v) for seconds in results.values() for v in seconds)
+    wire = f"{ctx.backend}; variants ending in {GLOO}: a gloo group over the same ranks" if twins else None
+    header = step_header(ctx, world_size, settings.batch, models=models, ddp_fastpar_cap=caps)
+    if wire:
+        header = {"backend": wire, **{k: v for k, v in header.items() if k != "backend"}}
+    columns = [
+        *step_columns(21),
+        Column("cpu_ms", "cpu(ms)", 9, ".1f", "ms"),
+        Column("cpu_x_floor", "cpu x no_comm", 14, ".2f", "x"),
+    ]
     return BenchReport(
         benchmark="ddp",
         title=f"training step time, {world_size} ranks",
-        columns=step_columns(17),
+        columns=columns,
         rows=rows,
-        header=step_header(ctx, world_size, settings.batch, ddp_fastpar_cap=caps),
-        footer=footer + [f"auto: {note}" for note in auto_notes],
+        header=header,
+        footer=footer
+        + [f"auto: {note}" for note in auto_notes]
+        + ["cpu(ms): CPU time of the rank's process (all threads) per step, median of the timed steps, slowest rank"],
         goals=goals,
         notes=list(settings.skip_notes),
-        summary={"step_ms": {m: {v: t * 1e3 for v, t in s.items()} for m, s in results.items()}},
+        summary={
+            "step_ms": {m: {v: t * 1e3 for v, t in s.items()} for m, s in results.items()},
+            "cpu_ms": {m: {v: t * 1e3 for v, t in s.items()} for m, s in cpu.items()},
+        },
         plot=PlotSpec("bar", "variant", "x_floor", series="model", ylabel="step time / no-communication step"),
     )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("ddp")
-    group.add_argument("--models", default="mlp,blocks", help="comma-separated of mlp, blocks (default both)")
-    group.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (ddp always runs)")
+    group.add_argument("--models", default="mlp,blocks", help="comma-separated of mlp (wide), blocks (deep); both")
+    group.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help="comma-separated subset (no_comm and ddp always run; with --backend fastpar the wrappers also "
+        "run on gloo, as <variant>_gloo)",
+    )
     group.add_argument("--batch", type=int, default=64, help="rows per step per rank (default 64)")
     group.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
 

@@ -6,7 +6,8 @@ Paths (all in place, SUM, on the same tensors' shapes):
   torch_coalesced   ``torch.distributed.all_reduce_coalesced`` (deprecated in torch, still present)
   fastpar_bucketed  ``fastpar.ddp.CoalescedAllReduce`` (buckets planned once, as DDP's): pack into flat
                     buckets, reduce, unpack -- pipelined: bucket k+1 packs while k reduces, k unpacks
-                    as soon as it is back
+                    as soon as it is back; on the fastpar backend one list all-reduce per bucket that
+                    stages and sums every tensor where it lies (nothing packed)
   fastpar_call      ``fastpar.ddp.all_reduce_coalesced``: the same path as one call, planning included
   fastpar_views     the tensors are views into flat buckets (as fastpar DDP keeps gradients):
                     one all-reduce per bucket, nothing packed
