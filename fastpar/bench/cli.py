@@ -54,6 +54,7 @@ BENCHMARKS = {
     "pack": "fastpar.bench.benchmarks.pack",
     "ddp": "fastpar.bench.benchmarks.ddp_step",
     "zero": "fastpar.bench.benchmarks.zero",
+    "shard": "fastpar.bench.benchmarks.shard",
     "data": "fastpar.bench.benchmarks.data",
     "calibrate": "fastpar.bench.costmodel_cmds.calibrate",
     "simulate": "fastpar.bench.costmodel_cmds.simulate",

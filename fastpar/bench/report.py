@@ -41,6 +41,7 @@ QUICK = {
     "pack": ["--rounds", "3"],
     "ddp": ["--rounds", "3", "--iters", "1"],
     "zero": ["--rounds", "3", "--iters", "1"],
+    "shard": ["--rounds", "3", "--iters", "1"],
     "data": ["--rounds", "2"],
 }
 # shared flag (its dest) -> (command-line flag, the USES entry a benchmark needs to take it, or None for all)
