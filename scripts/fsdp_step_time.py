@@ -76,7 +76,9 @@ def _step(model, optimizer, x: torch.Tensor) -> None:
 def _full(model) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    return torch.cat([(p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten() for p in model.parameters()])
+    return torch.cat(
+        [(p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten() for p in model.parameters()]
+    )
 
 
 def _rank(rank: int, world: int, names: list[str], rounds: int, steps: int) -> dict:
@@ -121,14 +123,20 @@ def main() -> None:
     load_after = os.getloadavg()[0]
     times = results[0]["times"]
     ddp = statistics.median(times["ddp"])
-    print(f"backend {args.backend}, {args.nproc} ranks, {args.rounds} rounds x {args.steps} steps, "
-          f"load {load_before:.1f} -> {load_after:.1f}")
-    print(f"{'variant':28s} {'median ms':>10s} {'min ms':>8s} {'x ddp':>6s} {'x ddp/round':>12s} {'max |p - ddp|':>14s}")
+    print(
+        f"backend {args.backend}, {args.nproc} ranks, {args.rounds} rounds x {args.steps} steps, "
+        f"load {load_before:.1f} -> {load_after:.1f}"
+    )
+    print(
+        f"{'variant':28s} {'median ms':>10s} {'min ms':>8s} {'x ddp':>6s} {'x ddp/round':>12s} {'max |p - ddp|':>14s}"
+    )
     for name in names:
         med = statistics.median(times[name])
         per_round = statistics.median(t / d for t, d in zip(times[name], times["ddp"], strict=True))
-        print(f"{name:28s} {med * 1e3:10.1f} {min(times[name]) * 1e3:8.1f} {med / ddp:6.2f} {per_round:12.2f} "
-              f"{results[0]['worst'][name]:14.2e}")
+        print(
+            f"{name:28s} {med * 1e3:10.1f} {min(times[name]) * 1e3:8.1f} {med / ddp:6.2f} {per_round:12.2f} "
+            f"{results[0]['worst'][name]:14.2e}"
+        )
 
 
 if __name__ == "__main__":
