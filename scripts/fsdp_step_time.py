@@ -27,6 +27,7 @@ VARIANTS: dict[str, dict | None] = {
     "fsdp2_by_hand": {"by_hand": True},
     "fsdp_layers": {"wrap": "auto"},
     "fsdp_layers_reshard_last": {"wrap": "auto", "reshard_last": True},
+    "fsdp_layers_stock_rs": {"wrap": "auto", "stock_reduce_scatter": True},
     "fsdp_layers_keep": {"wrap": "auto", "reshard_after_forward": False},
     "fsdp_layers_prefetch": {"wrap": "auto", "prefetch": 1},
     "fsdp_layers_keep_prefetch": {"wrap": "auto", "reshard_after_forward": False, "prefetch": 1},
@@ -60,7 +61,15 @@ def _trainee(keywords: dict | None):
     else:
         keywords = dict(keywords)
         reshard_last = keywords.pop("reshard_last", False)
+        stock_reduce_scatter = keywords.pop("stock_reduce_scatter", False)
         model = fastpar.fully_shard_model(build, seed=0, **keywords)
+        if stock_reduce_scatter:  # undo the gloo reduce-scatter replacement, to measure it
+            from torch.distributed.fsdp import FSDPModule
+            from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+            for unit in model.modules():
+                if isinstance(unit, FSDPModule):
+                    unit.set_custom_reduce_scatter(DefaultReduceScatter())
         if reshard_last:  # undo fully_shard_model's choice to keep the last unit gathered, to measure it
             units = [m for m in model.modules() if m is not model and hasattr(m, "set_reshard_after_forward")]
             units[-1].set_reshard_after_forward(True)
