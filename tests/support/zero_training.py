@@ -1,6 +1,6 @@
 """Training loops shared by the ZeRO tests (imported by spawned ranks): the same seeded model and inputs,
 trained with torch's DDP + a plain optimizer, fastpar's DDP + a plain optimizer, or fastpar's DDP +
-``ShardedOptimizer``."""
+``ShardedOptimizer`` (``shard_gradients=True``: ZeRO-2)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,10 @@ def build(
     overlap: bool = True,
     channels_last: bool = False,
     ddp_args: dict | None = None,
+    shard_gradients: bool = False,
 ):
-    """(wrapped model, optimizer) for ``impl`` in torch | fastpar | zero, from seed 0."""
+    """(wrapped model, optimizer) for ``impl`` in torch | fastpar | zero, from seed 0 (``shard_gradients``: zero's
+    stage 2)."""
     import fastpar
 
     cls, kwargs = OPTIMIZERS[opt]
@@ -68,7 +70,13 @@ def build(
     if impl == "fastpar":
         return model, cls(param_groups(model.module, groups), **kwargs)
     sharded = fastpar.ShardedOptimizer(
-        model, cls, param_groups(model.module, groups), exchange=exchange, overlap=overlap, **kwargs
+        model,
+        cls,
+        param_groups(model.module, groups),
+        exchange=exchange,
+        overlap=overlap,
+        shard_gradients=shard_gradients,
+        **kwargs,
     )
     return model, sharded
 
