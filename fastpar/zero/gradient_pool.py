@@ -53,7 +53,8 @@ class BufferPool:
         for zb in sharded:
             self.numel[zb.comm_dtype] = max(self.numel.get(zb.comm_dtype, 0), zb.bucket.numel)
         self.scratch_numel = {
-            dtype: (world_size - 1) * (numel // world_size) if with_scratch else 0 for dtype, numel in self.numel.items()
+            dtype: (world_size - 1) * (numel // world_size) if with_scratch else 0
+            for dtype, numel in self.numel.items()
         }
         self.free: dict[torch.dtype, list[PooledBuffer]] = {dtype: [] for dtype in self.numel}
         self.allocated: dict[torch.dtype, list[PooledBuffer]] = {dtype: [] for dtype in self.numel}
