@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,6 +26,8 @@ sys.path.insert(0, str(ROOT / "tests" / "support"))
 import torch  # noqa: E402
 
 from fastpar.costmodel.memory_planner import plan  # noqa: E402
+from fastpar.costmodel.model_probe import ProbeResult, probe  # noqa: E402
+from fastpar.costmodel.strategy_time import optimizer_seconds_per_element  # noqa: E402
 from fastpar.launcher import spawn  # noqa: E402
 from strategy_measure import measure_rank, slowest_rank_medians, spec_of  # noqa: E402
 
@@ -44,14 +47,19 @@ def profiled_activation_peak(model_kwargs: dict, batch_size: int, threads: int =
         p.grad = torch.zeros_like(p)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model.loss(model(ids), ids).backward()
-    events = sorted(
-        (e.time_range.start, e.cpu_memory_usage) for e in prof.events() if e.name == "[memory]" and e.cpu_memory_usage
-    )
+    # each op's own allocations (self_cpu_memory_usage) and the frees ("[memory]" events), in time order
+    events = sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage)
     live = peak = 0
     for _, delta in events:
         live += delta
         peak = max(peak, live)
     return peak
+
+
+def scaled(result: ProbeResult, factor: float) -> ProbeResult:
+    """``result`` with every time multiplied by ``factor``."""
+    times = ("forward_s_per_sample", "backward_s_per_sample", "forward_fixed_s", "backward_fixed_s")
+    return replace(result, **{name: [t * factor for t in getattr(result, name)] for name in times})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     model = dict(layers=args.layers, hidden=args.hidden, vocab=args.vocab, seq_len=args.seq_len)
     spec = spec_of(model)
-    predicted = plan(spec, devices=2, device_memory="1TB", batch_size=args.batch_size, seq_len=args.seq_len, threads=1)
+    plan_args = dict(devices=2, device_memory="1TB", batch_size=args.batch_size, seq_len=args.seq_len, threads=1)
+    torch.set_num_threads(1)  # as each spawned rank runs
+    measured = probe(spec, batch_size=2, seq_len=args.seq_len)
+    opt_s = optimizer_seconds_per_element("adamw")
+    predicted = plan(spec, probe_result=measured, **plan_args)
     import fastpar
 
     zero2 = "shard_gradients" in fastpar.ShardedOptimizer.__init__.__code__.co_varnames
@@ -75,13 +87,28 @@ def main(argv: list[str] | None = None) -> int:
         if e.strategy == "zero2" and not zero2:
             continue
         strategies[e.label] = (e.strategy, e.options)
+    strategies["local"] = ("local", {})
     config = {"model": model, "batch_size": args.batch_size, "strategies": strategies, "warmup": 2, "rounds": args.rounds}
     load_before = os.getloadavg()
     results = spawn(measure_rank, 2, config, timeout=1800)
     load_after = os.getloadavg()
     steps = slowest_rank_medians(results)
     rows = []
-    print(f"{'strategy':<22}{'state pred':>12}{'state meas':>12}{'ratio':>7}{'step pred ms':>14}{'step meas ms':>14}{'ratio':>7}")
+    # the plan's own compute (the probe), against a step without communication timed in the same rounds: what
+    # the load did between the probe and the measurement, so the communication model is judged apart from it
+    forward, backward = measured.seconds(args.batch_size, args.seq_len)
+    floor = sum(forward) + sum(backward) + opt_s * spec.numel
+    correction = steps["local"] / floor
+    corrected = plan(spec, probe_result=scaled(measured, correction), **plan_args)
+    corrected_step = {e.label: e.step_s for e in corrected.estimates}
+    print(
+        f"compute floor: predicted {floor * 1e3:.1f} ms, measured in the rounds {steps['local'] * 1e3:.1f} ms "
+        f"(x{correction:.2f}); 'corr' = the prediction with the compute measured in the rounds"
+    )
+    print(
+        f"{'strategy':<22}{'state pred':>12}{'state meas':>12}{'ratio':>7}{'step pred ms':>14}{'step meas ms':>14}"
+        f"{'ratio':>7}{'corr ms':>9}{'ratio':>7}"
+    )
     for e in predicted.estimates:
         if e.label not in strategies:
             continue
@@ -93,11 +120,13 @@ def main(argv: list[str] | None = None) -> int:
             "bytes_measured": [r[e.label]["bytes"] for r in results],
             "step_predicted_s": e.step_s,
             "step_measured_s": steps[e.label],
+            "step_predicted_corrected_s": corrected_step[e.label],
         }
         rows.append(row)
         print(
             f"{e.label:<22}{e.memory.model_state:>12}{measured_state:>12}{e.memory.model_state / measured_state:>7.3f}"
             f"{e.step_s * 1e3:>14.1f}{steps[e.label] * 1e3:>14.1f}{e.step_s / steps[e.label]:>7.2f}"
+            f"{corrected_step[e.label] * 1e3:>9.1f}{corrected_step[e.label] / steps[e.label]:>7.2f}"
         )
     ddp = next(e for e in predicted.estimates if e.strategy == "ddp")
     peak = profiled_activation_peak(model, args.batch_size)
@@ -114,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                     "activations_predicted": ddp.memory.activations,
                     "activations_profiled_peak": peak,
                     "load": [load_before, load_after],
+                    "compute_floor": {"predicted_s": floor, "measured_s": steps["local"]},
                     "plan": predicted.to_json(),
                 },
                 indent=1,

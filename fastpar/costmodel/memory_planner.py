@@ -25,7 +25,7 @@ import contextlib
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ __all__ = ["STRATEGIES", "Plan", "StrategyEstimate", "parse_bytes", "plan", "pla
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "pipeline")
 DTYPES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 DEFAULT_HEADROOM = 0.10
+TIE = 0.03  # step predictions this close are not told apart (the step time model's own spread is wider)
 _MB = 1 << 20
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "k": 1 << 10, "m": _MB, "g": 1 << 30})
@@ -87,7 +88,8 @@ class StrategyEstimate:
 @dataclass
 class Plan:
     """What :func:`plan` found. ``choice``: the fastest strategy that fits (None when none does; ``advice`` then
-    says what would); ``choice_options``: its options (``{"reshard_after_forward": ...}`` for fsdp,
+    says what would, ``suggestions`` the same as ``{"devices": n, "batch_size": b, "param_dtype": "bf16"}``);
+    ``choice_options``: its options (``{"reshard_after_forward": ...}`` for fsdp,
     ``{"stages", "schedule", "microbatches", "split"}`` for pipeline, ``{}`` otherwise)."""
 
     model: str
@@ -104,6 +106,7 @@ class Plan:
     advice: str
     measurement: str
     comm: str
+    suggestions: dict[str, Any] = field(default_factory=dict)  # when nothing fits: one change that would, each
     notes: list[str] = field(default_factory=list)
 
     def best(self, strategy: str) -> StrategyEstimate | None:
@@ -219,8 +222,8 @@ def plan(
     for strategy in strategies:
         for options in _variants(strategy, context, batch_size, stages, schedules, microbatches):
             estimates.append(context.estimate(strategy, options, batch_size))
-    fitting = [e for e in estimates if e.fits]
-    best = min(fitting, key=lambda e: e.step_s) if fitting else None
+    best = _pick(estimates)
+    advice, suggestions = ("", {}) if best else _advice(context, estimates, batch_size, strategies)
     notes = list(measured.notes)
     if sizes.param == 2:
         notes.append("activations of a 16-bit model scaled from the fp32 forward measured (floating-point tensors x 0.5)")
@@ -236,7 +239,8 @@ def plan(
         estimates=estimates,
         choice=best.strategy if best else None,
         choice_options=dict(best.options) if best else {},
-        advice="" if best else _advice(context, estimates, batch_size, param_dtype),
+        advice=advice,
+        suggestions=suggestions,
         measurement=f"{measured.method}, {min(probe_batch, batch_size)} samples, scaled",
         comm=comm_text,
         notes=notes,
@@ -285,6 +289,14 @@ class _Context:
     def activations(self, batch: float) -> list[float]:
         return [b * self.sizes.activation_scale for b in self.measured.activation_bytes(batch, self.seq_len)]
 
+    def transient(self, batch: float, members: Sequence[int] | None = None) -> float:
+        """Bytes that exist only around the start of backward, beyond the saved tensors: the gradient arriving
+        at the largest layer output and the one leaving it (the logits' gradient, and softmax's, in a language
+        model) -- twice the largest output."""
+        outputs = self.measured.output_bytes(batch, self.seq_len)
+        chosen = [outputs[i] for i in members] if members is not None else outputs
+        return 2 * max(chosen, default=0.0) * self.sizes.activation_scale
+
     def estimate(self, strategy: str, options: dict, batch_size: int, devices: int | None = None) -> StrategyEstimate:
         n = devices or self.devices
         full = options | stage_internals(self, options, batch_size) if strategy == "pipeline" else options
@@ -293,6 +305,7 @@ class _Context:
             strategy,
             self.layers,
             self.activations(batch_size),
+            transient=self.transient(batch_size),
             devices=n,
             optimizer=self.optimizer,
             sizes=self.sizes,
@@ -327,22 +340,55 @@ def _variants(strategy, context: _Context, batch_size, stages, schedules, microb
     return [{}]
 
 
-def _advice(context: _Context, estimates: list[StrategyEstimate], batch_size: int, param_dtype: str) -> str:
-    """What would make something fit: more devices, a smaller batch, 16-bit parameters."""
+def _pick(estimates: Sequence[StrategyEstimate]) -> StrategyEstimate | None:
+    """The fastest estimate that fits; predictions within :data:`TIE` of it are a tie, which the simpler
+    strategy wins (the order of :data:`STRATEGIES`: fewer collectives, fewer engines, less to go wrong)."""
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        return None
+    fastest = min(e.step_s for e in fitting)
+    tied = [e for e in fitting if e.step_s <= fastest * (1 + TIE)]
+    return min(tied, key=lambda e: (STRATEGIES.index(e.strategy), e.step_s))
+
+
+def _fitting(context: _Context, batch_size: int, strategies: Sequence[str]) -> StrategyEstimate | None:
+    """The fastest estimate that fits in ``context`` at ``batch_size``, or None."""
+    rows = [
+        context.estimate(strategy, options, batch_size)
+        for strategy in strategies
+        for options in _variants(strategy, context, batch_size, None, ("1f1b", "gpipe"), None)
+    ]
+    fitting = [e for e in rows if e.fits]
+    return min(fitting, key=lambda e: e.step_s) if fitting else None
+
+
+def _advice(context: _Context, estimates, batch_size: int, strategies: Sequence[str]) -> tuple[str, dict]:
+    """What would make something fit -- more devices, a smaller batch, 16-bit parameters -- as words and as
+    ``{"devices": n, "batch_size": b, "param_dtype": "bf16"}`` (each one alone, all else as asked)."""
+    found: dict[str, Any] = {}
     ideas = []
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
-        if n > context.devices and context.estimate("fsdp", {"reshard_after_forward": True}, batch_size, n).fits:
-            ideas.append(f"{n} devices with fsdp")
+        if n > context.devices and (e := _fitting(replace(context, devices=n), batch_size, strategies)):
+            found["devices"] = n
+            ideas.append(f"{n} devices ({e.label})")
             break
-    smallest = min(estimates, key=lambda e: e.memory.total)
     for b in range(batch_size - 1, 0, -1):
-        if context.estimate(smallest.strategy, dict(smallest.options), b).fits:
-            ideas.append(f"batch size {b} per device with {smallest.label}")
+        if e := _fitting(context, b, strategies):
+            found["batch_size"] = b
+            ideas.append(f"batch size {b} per device ({e.label})")
             break
-    if param_dtype in ("fp32", "float32"):
-        ideas.append("--dtype bf16 (halves parameters, gradients and optimizer state)")
+    if context.sizes.param == 4:
+        half = replace(
+            context, sizes=replace(context.sizes, param=2, reduce=min(2, context.sizes.reduce), activation_scale=context.sizes.activation_scale / 2)
+        )
+        if e := _fitting(half, batch_size, strategies):
+            found["param_dtype"] = "bf16"
+            ideas.append(f"bf16 parameters ({e.label})")
+    smallest = min(estimates, key=lambda e: e.memory.total)
     least = f"the smallest is {smallest.label} at {_fmt_bytes(smallest.memory.total)} of {_fmt_bytes(context.usable)} usable"
-    return f"{least}; try " + ", or ".join(ideas) if ideas else least
+    if not ideas:
+        return f"{least}; nothing tried fits (up to 1024 devices, batch size 1, bf16): the model needs more memory per device", found
+    return f"{least}; would fit with " + ", or ".join(ideas), found
 
 
 def _check(devices, batch_size, param_dtype, reduce_dtype, optimizer, strategies, headroom) -> None:

@@ -8,8 +8,9 @@ measured on a small batch and scaled: linearly in the batch, and through ``a*L +
 length when the model has one (two lengths measured; the L^2 part is attention's scores where the kernel
 keeps them).
 
-Compute: forward and backward are timed on the same small batch (median of a few repeats, after a warm-up);
-per layer, the forward is timed by hooks and the backward is split in the forward's proportions. A model
+Compute: forward and backward are timed at two small batch sizes (b and 2b, interleaved, medians after a
+warm-up) and fitted as a fixed cost per step plus a cost per sample, so per-step overheads are not scaled
+with the batch; per layer, the forward is timed by hooks and the backward is split in the forward's proportions. A model
 too large to build on the host is measured on the meta device instead: the saved tensors' shapes are
 exact (attention through torch's math path), and compute comes from a FLOP count
 (``torch.utils.flop_counter``) at a measured matmul rate.
@@ -42,6 +43,8 @@ class ProbeResult:
     output_linear: list[float]  # bytes per sample per token of each layer's output (what a stage boundary sends)
     forward_s_per_sample: list[float]
     backward_s_per_sample: list[float]
+    forward_fixed_s: list[float]  # per step whatever the batch (Python and launch overheads)
+    backward_fixed_s: list[float]
     seq_len: int | None  # the length the times were measured at
     method: str  # "measured on cpu" / "meta device + FLOP count"
     notes: list[str] = field(default_factory=list)
@@ -56,9 +59,11 @@ class ProbeResult:
         return [batch * a * (seq_len or 1) for a in self.output_linear]
 
     def seconds(self, batch: float, seq_len: int | None) -> tuple[list[float], list[float]]:
-        """(forward, backward) seconds per layer for ``batch`` samples, linear in tokens."""
+        """(forward, backward) seconds per layer for ``batch`` samples: a fixed part plus one linear in tokens."""
         scale = batch * ((seq_len / self.seq_len) if seq_len and self.seq_len else 1.0)
-        return [scale * t for t in self.forward_s_per_sample], [scale * t for t in self.backward_s_per_sample]
+        forward = [a + scale * t for a, t in zip(self.forward_fixed_s, self.forward_s_per_sample)]
+        backward = [a + scale * t for a, t in zip(self.backward_fixed_s, self.backward_s_per_sample)]
+        return forward, backward
 
 
 class _SavedTensorCounter:
@@ -224,11 +229,32 @@ def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per
             act_quad.append(q)
             act_lin.append(b2 / l2 - q * l2)
     notes = []
+    fixed = (0.0, 0.0)
     if real:
-        batch = spec.batch(module, batch_size, seq_len, device)
-        runs = [_timed_step(spec, module, layers, batch) for _ in range(_REPEATS + 1)][1:]  # first one warms up
-        spans = [median(r[0][i] for r in runs) for i in range(len(layers))]
-        fwd, bwd = median(r[1] for r in runs), median(r[2] for r in runs)
+        # two batch sizes, interleaved, so a fixed cost per step is not scaled with the batch
+        sizes = [batch_size] if spec.fixed_batch is not None else [batch_size, 2 * batch_size]
+        batches = {b: spec.batch(module, b, seq_len, device) for b in sizes}
+        runs = {b: [] for b in sizes}
+        for k in range(_REPEATS + 1):
+            for b in sizes:
+                run = _timed_step(spec, module, layers, batches[b])
+                if k:  # the first round warms up
+                    runs[b].append(run)
+        top = sizes[-1]
+        spans = [median(r[0][i] for r in runs[top]) for i in range(len(layers))]
+        totals = {b: (median(r[1] for r in runs[b]), median(r[2] for r in runs[b])) for b in sizes}
+        per_sample, fixed = [], []
+        for part in (0, 1):
+            t_top = totals[top][part]
+            if len(sizes) == 1:
+                slope = t_top / top
+            else:
+                # noise can make the difference tiny or negative: at least a tenth of the average per sample
+                slope = max((t_top - totals[sizes[0]][part]) / (top - sizes[0]), 0.1 * t_top / top)
+            per_sample.append(slope * top)
+            fixed.append(max(0.0, t_top - slope * top))
+        fwd, bwd = per_sample
+        batch_size = top
         method = f"measured on {torch.device(device).type}"
     else:
         spans, fwd, bwd, rate = _flop_times(spec, module, layers, batch_size, seq_len, flops_per_s, device)
@@ -244,6 +270,8 @@ def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per
         float_share=float_share,
         forward_s_per_sample=[fwd * s / batch_size for s in share],
         backward_s_per_sample=[bwd * s / batch_size for s in share],
+        forward_fixed_s=[fixed[0] * s for s in share],
+        backward_fixed_s=[fixed[1] * s for s in share],
         seq_len=seq_len,
         method=method,
         notes=notes,

@@ -55,6 +55,7 @@ def stage_internals(context: Any, options: dict, batch_size: int) -> dict:
     return {
         "stage_layers": members,
         "stage_activations": [sum(acts[i] for i in ms) for ms in members],
+        "stage_transients": [context.transient(micro, ms) for ms in members],
         "boundary_bytes": boundary,
         "stage_batch_scale": micro / batch_size,
     }

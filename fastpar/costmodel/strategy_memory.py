@@ -16,6 +16,9 @@ What each strategy keeps, per device of ``N`` (``P`` parameter elements; itemsiz
 - ``pipeline``: a stage's layers whole (the largest stage counts); ``dp = N / S`` replicas of each stage
   synchronise like DDP. Activations of the microbatches in flight: with 1F1B stage s holds min(S - s, M)
   of them (the first stage the most), with GPipe all M.
+
+Activations everywhere are the saved tensors plus backward's transient at its start: the gradient arriving
+at the largest layer output and the one leaving it (2 x that output; for a language model the logits).
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ def strategy_memory(
     layers: Sequence[Layer],
     activation_per_layer: Sequence[float],
     *,
+    transient: float = 0.0,
     devices: int,
     optimizer: str,
     sizes: DtypeSizes,
@@ -114,13 +118,14 @@ def strategy_memory(
     cpu_exchange: bool,
     options: dict,
 ) -> MemoryBreakdown:
-    """Bytes per device of ``strategy`` (``options``: ``reshard_after_forward`` for fsdp; ``stages``,
+    """Bytes per device of ``strategy``; activations are the saved tensors per layer plus the ``transient``
+    bytes of backward's start (``options``: ``reshard_after_forward`` for fsdp; ``stages``,
     ``schedule``, ``microbatches``, ``stage_layers`` (layer indices per stage), ``stage_activations`` (bytes per
-    stage for one microbatch) for pipeline); ``buckets``: bucket sizes in elements."""
+    stage for one microbatch), ``stage_transients``, ``boundary_bytes`` for pipeline); ``buckets``: bucket sizes in elements."""
     n = devices
     numel = sum(layer.numel for layer in layers)
     tensors = sum(len(layer.param_shapes) for layer in layers)
-    activations = int(sum(activation_per_layer))
+    activations = int(sum(activation_per_layer) + transient)
     pb, rb = sizes.param, sizes.reduce
     if strategy == "ddp":
         narrow = numel * rb if rb != pb else 0
@@ -158,7 +163,7 @@ def strategy_memory(
             stage_tensors = sum(len(layers[i].param_shapes) for i in members)
             m = options["microbatches"]
             held = min(len(stages) - s, m) if options["schedule"] == "1f1b" else m
-            acts = held * options["stage_activations"][s]
+            acts = held * options["stage_activations"][s] + options["stage_transients"][s]
             # sends and receives of the boundary activation and its gradient, one per microbatch in flight
             messages = 2 * held * options["boundary_bytes"] if len(stages) > 1 else 0
             per_stage.append(

@@ -55,7 +55,10 @@ class _Engine:
         self.loss = ReferenceTransformer.loss
         adamw = dict(lr=1e-3, weight_decay=0.01)
         self.grad_bytes_after_backward = 0
-        if strategy == "ddp":
+        if strategy == "local":  # no communication: the compute floor of a step, timed in the same rounds
+            self.model = module
+            self.opt = torch.optim.AdamW(module.parameters(), **adamw)
+        elif strategy == "ddp":
             self.model = fastpar.DistributedDataParallel(module)
             self.opt = torch.optim.AdamW(self.model.parameters(), **adamw)
         elif strategy in ("zero1", "zero2"):
