@@ -24,12 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 import torch  # noqa: E402
+from strategy_measure import measure_rank, slowest_rank_medians, spec_of  # noqa: E402
 
 from fastpar.costmodel.memory_planner import plan  # noqa: E402
 from fastpar.costmodel.model_probe import ProbeResult, probe  # noqa: E402
 from fastpar.costmodel.strategy_time import optimizer_seconds_per_element  # noqa: E402
 from fastpar.launcher import spawn  # noqa: E402
-from strategy_measure import measure_rank, slowest_rank_medians, spec_of  # noqa: E402
 
 
 def profiled_activation_peak(model_kwargs: dict, batch_size: int, threads: int = 1) -> int:
@@ -88,7 +88,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         strategies[e.label] = (e.strategy, e.options)
     strategies["local"] = ("local", {})
-    config = {"model": model, "batch_size": args.batch_size, "strategies": strategies, "warmup": 2, "rounds": args.rounds}
+    config = {
+        "model": model,
+        "batch_size": args.batch_size,
+        "strategies": strategies,
+        "warmup": 2,
+        "rounds": args.rounds,
+    }
     load_before = os.getloadavg()
     results = spawn(measure_rank, 2, config, timeout=1800)
     load_after = os.getloadavg()
@@ -130,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     ddp = next(e for e in predicted.estimates if e.strategy == "ddp")
     peak = profiled_activation_peak(model, args.batch_size)
-    print(f"activations: predicted {ddp.memory.activations} B, profiled peak {peak} B, ratio {ddp.memory.activations / peak:.3f}")
+    print(
+        f"activations: predicted {ddp.memory.activations} B, profiled peak {peak} B, ratio {ddp.memory.activations / peak:.3f}"
+    )
     print(f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (1 min) on {os.cpu_count()} cores")
     print(predicted.table())
     if args.json:

@@ -125,7 +125,8 @@ class Plan:
         lines = [
             f"model: {self.model}",
             f"{self.devices} devices x {_fmt_bytes(self.device_memory)} (usable {_fmt_bytes(self.usable_memory)}), "
-            f"batch {self.batch_size}/device" + (f", seq {self.seq_len}" if self.seq_len else "")
+            f"batch {self.batch_size}/device"
+            + (f", seq {self.seq_len}" if self.seq_len else "")
             + f", {self.param_dtype}, {self.optimizer}",
             head,
             "-" * len(head),
@@ -226,7 +227,9 @@ def plan(
     advice, suggestions = ("", {}) if best else _advice(context, estimates, batch_size, strategies)
     notes = list(measured.notes)
     if sizes.param == 2:
-        notes.append("activations of a 16-bit model scaled from the fp32 forward measured (floating-point tensors x 0.5)")
+        notes.append(
+            "activations of a 16-bit model scaled from the fp32 forward measured (floating-point tensors x 0.5)"
+        )
     return Plan(
         model=spec.describe,
         devices=devices,
@@ -379,7 +382,13 @@ def _advice(context: _Context, estimates, batch_size: int, strategies: Sequence[
             break
     if context.sizes.param == 4:
         half = replace(
-            context, sizes=replace(context.sizes, param=2, reduce=min(2, context.sizes.reduce), activation_scale=context.sizes.activation_scale / 2)
+            context,
+            sizes=replace(
+                context.sizes,
+                param=2,
+                reduce=min(2, context.sizes.reduce),
+                activation_scale=context.sizes.activation_scale / 2,
+            ),
         )
         if e := _fitting(half, batch_size, strategies):
             found["param_dtype"] = "bf16"
@@ -387,7 +396,10 @@ def _advice(context: _Context, estimates, batch_size: int, strategies: Sequence[
     smallest = min(estimates, key=lambda e: e.memory.total)
     least = f"the smallest is {smallest.label} at {_fmt_bytes(smallest.memory.total)} of {_fmt_bytes(context.usable)} usable"
     if not ideas:
-        return f"{least}; nothing tried fits (up to 1024 devices, batch size 1, bf16): the model needs more memory per device", found
+        return (
+            f"{least}; nothing tried fits (up to 1024 devices, batch size 1, bf16): the model needs more memory per device",
+            found,
+        )
     return f"{least}; would fit with " + ", or ".join(ideas), found
 
 

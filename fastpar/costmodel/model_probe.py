@@ -37,7 +37,9 @@ class ProbeResult:
     """Per layer (the spec's layer order): activation bytes per sample at ``seq_len`` and seconds per sample."""
 
     layer_names: list[str]
-    act_linear: list[float]  # bytes per sample per token (the a of a*L + b*L^2; a total per sample when seq_len is None)
+    act_linear: list[
+        float
+    ]  # bytes per sample per token (the a of a*L + b*L^2; a total per sample when seq_len is None)
     act_quadratic: list[float]  # bytes per sample per token^2
     float_share: float  # share of activation bytes in floating-point tensors (those a dtype change scales)
     output_linear: list[float]  # bytes per sample per token of each layer's output (what a stage boundary sends)
@@ -53,7 +55,10 @@ class ProbeResult:
         """Bytes per layer for ``batch`` samples of ``seq_len`` tokens."""
         if seq_len is None:
             return [batch * a for a in self.act_linear]
-        return [batch * (a * seq_len + b * seq_len * seq_len) for a, b in zip(self.act_linear, self.act_quadratic)]
+        return [
+            batch * (a * seq_len + b * seq_len * seq_len)
+            for a, b in zip(self.act_linear, self.act_quadratic, strict=True)
+        ]
 
     def output_bytes(self, batch: float, seq_len: int | None) -> list[float]:
         return [batch * a * (seq_len or 1) for a in self.output_linear]
@@ -61,8 +66,8 @@ class ProbeResult:
     def seconds(self, batch: float, seq_len: int | None) -> tuple[list[float], list[float]]:
         """(forward, backward) seconds per layer for ``batch`` samples: a fixed part plus one linear in tokens."""
         scale = batch * ((seq_len / self.seq_len) if seq_len and self.seq_len else 1.0)
-        forward = [a + scale * t for a, t in zip(self.forward_fixed_s, self.forward_s_per_sample)]
-        backward = [a + scale * t for a, t in zip(self.backward_fixed_s, self.backward_s_per_sample)]
+        forward = [a + scale * t for a, t in zip(self.forward_fixed_s, self.forward_s_per_sample, strict=True)]
+        backward = [a + scale * t for a, t in zip(self.backward_fixed_s, self.backward_s_per_sample, strict=True)]
         return forward, backward
 
 
@@ -222,7 +227,7 @@ def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per
     else:
         l1, l2 = lengths
         act_lin, act_quad = [], []
-        for b1, b2 in zip(samples[l1][0], samples[l2][0]):
+        for b1, b2 in zip(samples[l1][0], samples[l2][0], strict=True):
             # b = a*L + q*L^2 through both points; a negative q is noise from allocation rounding: keep it linear
             q = (b2 / l2 - b1 / l1) / (l2 - l1)
             q = max(q, 0.0)
@@ -259,7 +264,9 @@ def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per
     else:
         spans, fwd, bwd, rate = _flop_times(spec, module, layers, batch_size, seq_len, flops_per_s, device)
         method = "meta device + FLOP count"
-        notes.append(f"model too large to build here ({fp32_bytes / 2**30:.1f} GiB fp32): compute = FLOPs / {rate:.3g}/s")
+        notes.append(
+            f"model too large to build here ({fp32_bytes / 2**30:.1f} GiB fp32): compute = FLOPs / {rate:.3g}/s"
+        )
     spans = spans + [0.0] * (rows - len(spans))
     share = [s / sum(spans) if sum(spans) > 0 else 1.0 / rows for s in spans]
     return ProbeResult(

@@ -108,13 +108,17 @@ class ModelSpec:
         )
 
     @classmethod
-    def from_path(cls, path: str, kwargs: dict[str, Any] | str | None = None, *, seq_len: int | None = None) -> ModelSpec:
+    def from_path(
+        cls, path: str, kwargs: dict[str, Any] | str | None = None, *, seq_len: int | None = None
+    ) -> ModelSpec:
         """``"package.module:function"`` (or a class) called with ``kwargs`` (a dict or a JSON object string)."""
         if isinstance(kwargs, str):
             try:
                 kwargs = json.loads(kwargs)
             except json.JSONDecodeError as exc:
-                raise UserError(f"--kwargs is not JSON ({exc.msg}): {kwargs!r}; give an object like '{{\"n\": 4}}'")
+                raise UserError(
+                    f"--kwargs is not JSON ({exc.msg}): {kwargs!r}; give an object like '{{\"n\": 4}}'"
+                ) from None
             if not isinstance(kwargs, dict):
                 raise UserError(f"--kwargs must be a JSON object (keyword arguments), got {kwargs!r}")
         kwargs = dict(kwargs or {})
@@ -124,7 +128,9 @@ class ModelSpec:
         try:
             target = importlib.import_module(module_name)
         except ImportError as exc:
-            raise UserError(f"cannot import {module_name!r} for model {path!r}: {exc}; check the path and PYTHONPATH")
+            raise UserError(
+                f"cannot import {module_name!r} for model {path!r}: {exc}; check the path and PYTHONPATH"
+            ) from None
         for part in attr.split("."):
             if not hasattr(target, part):
                 raise UserError(f"{module_name!r} has no {attr!r} (model {path!r}); check the name after the colon")

@@ -10,6 +10,7 @@ with the fastest predicted step that fits, per stage count.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 __all__ = ["balanced_split", "pipeline_options", "stage_internals"]
@@ -47,7 +48,7 @@ def stage_internals(context: Any, options: dict, batch_size: int) -> dict:
     """What the memory and time models need for one pipeline option at ``batch_size`` per device."""
     stages, m = options["stages"], options["microbatches"]
     starts = list(options["split"]) + [len(context.layers)]
-    members = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+    members = [list(range(a, b)) for a, b in pairwise(starts)]
     micro = batch_size * stages / m
     acts = context.activations(micro)
     outputs = context.measured.output_bytes(micro, context.seq_len)
@@ -81,7 +82,7 @@ def pipeline_options(
     if unknown:
         raise ValueError(f"unknown pipeline schedules {unknown}; choose from {', '.join(SCHEDULES)}")
     forward, backward = context.measured.seconds(batch_size, context.seq_len)
-    costs = [f + b for f, b in zip(forward, backward)]
+    costs = [f + b for f, b in zip(forward, backward, strict=True)]
     chosen = []
     for s in candidates:
         split = balanced_split(costs, s)
@@ -89,7 +90,9 @@ def pipeline_options(
         counts = microbatches or [s * k for k in (1, 2, 4, 8)]
         counts = [m for m in counts if 1 <= m <= global_batch and global_batch % m == 0]
         rows = [
-            context.estimate("pipeline", {"stages": s, "schedule": sched, "microbatches": m, "split": split}, batch_size)
+            context.estimate(
+                "pipeline", {"stages": s, "schedule": sched, "microbatches": m, "split": split}, batch_size
+            )
             for sched in schedules
             for m in counts
         ]

@@ -25,7 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fastpar plan", description=__doc__.split("\n\n")[0])
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", help="an importable constructor, package.module:function")
-    model.add_argument("--transformer", help="the reference transformer: layers=..,hidden=..,vocab=..[,heads=..,ffn_mult=..]")
+    model.add_argument(
+        "--transformer", help="the reference transformer: layers=..,hidden=..,vocab=..[,heads=..,ffn_mult=..]"
+    )
     p.add_argument("--kwargs", default=None, help="--model's keyword arguments as a JSON object")
     p.add_argument("--devices", type=int, required=True, help="devices (ranks) to train on")
     memory = p.add_mutually_exclusive_group(required=True)
@@ -42,7 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", default=None, help="pipeline microbatch counts to consider, e.g. 4,8")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="what the ranks train on")
     p.add_argument("--profile", default=None, help="a 'fastpar bench calibrate' profile pricing the collectives")
-    p.add_argument("--fabric", default=None, help="a fabric preset pricing the collectives (see fastpar bench simulate)")
+    p.add_argument(
+        "--fabric", default=None, help="a fabric preset pricing the collectives (see fastpar bench simulate)"
+    )
     p.add_argument("--headroom", type=float, default=0.10, help="share of device memory kept free (default 0.10)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p

@@ -37,7 +37,9 @@ def comm_model(*, profile: Any = None, fabric: Any = None, on_gpu: bool = False)
         else:
             fabric = DEFAULT_GPU_FABRIC if on_gpu else None
         if profile is None and fabric is None:
-            raise UserError("no profile to price CPU collectives with; run 'fastpar bench calibrate' and pass --profile")
+            raise UserError(
+                "no profile to price CPU collectives with; run 'fastpar bench calibrate' and pass --profile"
+            )
     if profile is not None:
         if not isinstance(profile, Profile):
             try:

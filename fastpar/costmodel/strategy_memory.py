@@ -129,7 +129,9 @@ def strategy_memory(
     pb, rb = sizes.param, sizes.reduce
     if strategy == "ddp":
         narrow = numel * rb if rb != pb else 0
-        return MemoryBreakdown(numel * pb, numel * pb, _state_bytes(numel, tensors, optimizer, sizes), activations, narrow)
+        return MemoryBreakdown(
+            numel * pb, numel * pb, _state_bytes(numel, tensors, optimizer, sizes), activations, narrow
+        )
     if strategy in ("zero1", "zero2"):
         padded = [-(-b // n) * n for b in buckets]
         total_padded = sum(padded)

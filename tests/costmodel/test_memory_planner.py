@@ -91,9 +91,9 @@ def test_pipeline_split_is_the_best_contiguous_split():
     costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
     for stages in (2, 3, 4):
         starts = balanced_split(costs, stages)
-        worst = max(sum(costs[a:b]) for a, b in zip(starts, [*starts[1:], len(costs)]))
+        worst = max(sum(costs[a:b]) for a, b in itertools.pairwise([*starts, len(costs)]))
         best = min(
-            max(sum(costs[a:b]) for a, b in zip((0, *cut), (*cut, len(costs))))
+            max(sum(costs[a:b]) for a, b in itertools.pairwise((0, *cut, len(costs))))
             for cut in itertools.combinations(range(1, len(costs)), stages - 1)
         )
         assert starts[0] == 0 and worst == best
@@ -115,7 +115,9 @@ def test_the_choice_is_the_fastest_that_fits(small_probe):
     fastest = min(e.step_s for e in fitting)
     chosen = next(e for e in fitting if (e.strategy, e.options) == (p.choice, p.choice_options))
     assert chosen.step_s <= fastest * 1.03  # a tie within 3% goes to the simpler strategy
-    assert all(STRATEGIES.index(e.strategy) >= STRATEGIES.index(p.choice) for e in fitting if e.step_s <= fastest * 1.03)
+    assert all(
+        STRATEGIES.index(e.strategy) >= STRATEGIES.index(p.choice) for e in fitting if e.step_s <= fastest * 1.03
+    )
     ddp_total = p.best("ddp").memory.total
     smaller = _plan(small_probe, device_memory=int(ddp_total / 0.9) - 1)
     assert smaller.choice != "ddp" and not smaller.best("ddp").fits
