@@ -4,7 +4,9 @@ priced by a calibrated profile or a fabric (collective_costs) and overlapped as 
 - ``ddp``: backward with each bucket all-reduced as it fills -- the step simulator (step_simulator.py) with
   the gradients ready at the end of their layer's measured backward; then the optimizer over all parameters.
 - ``zero1`` / ``zero2``: the same with a reduce-scatter per bucket; the optimizer over 1/N; the all-gather of
-  the updated shards runs under the next forward (each module waits for its bucket).
+  the updated shards runs under the next forward (each module waits for its bucket). On CPU ranks ZeRO
+  exchanges the shards point to point (gloo's own reduce-scatter is slower): each way the bytes of half an
+  all-reduce, priced so.
 - ``fsdp``: per unit (the repeated layers; the rest is the root unit) an all-gather before its forward and,
   when resharded after forward, again before its backward, and a reduce-scatter of its gradients after it.
   The wire runs one collective at a time, the next unit's gather prefetched while this one computes --
@@ -113,12 +115,19 @@ def strategy_step_seconds(
         timeline = _timeline(layers, backward, reduce_itemsize)
         timeline = StepTimeline(timeline.grads, timeline.backward_s, sum(forward), 0.0)
         buckets = size_capped_buckets(timeline.grads, [caps[0], caps[1]]) if timeline.grads else []
-        op = "allreduce" if strategy == "ddp" else "reducescatter"
-        sim = simulate_step(timeline, buckets, lambda b: comm(op, b, n), costs) if buckets else None
+        if strategy == "ddp":
+            wire = lambda b: comm("allreduce", b, n)  # noqa: E731
+        elif on_gpu:
+            wire = lambda b: comm("reducescatter", b, n)  # noqa: E731
+        else:  # ZeRO's point-to-point exchange on CPU ranks moves the bytes of half an all-reduce, either way
+            wire = lambda b: comm("allreduce", b, n) / 2  # noqa: E731
+        sim = simulate_step(timeline, buckets, wire, costs) if buckets else None
         backward_and_sync = sim.sync_end_s if sim else timeline.backward_s
         if strategy == "ddp":
             return sum(forward) + backward_and_sync + optimizer_s_per_element * numel
-        gather = sum(comm("allgather", numel * param_itemsize / len(buckets), n) for _ in buckets) if buckets else 0.0
+        sizes = {g.index: g.nbytes * param_itemsize // reduce_itemsize for g in timeline.grads}
+        gather_one = (lambda b: comm("allgather", b, n)) if on_gpu else wire
+        gather = sum(gather_one(sum(sizes[i] for i in members)) for members in buckets)
         forward_s = _overlapped(sum(forward), gather, costs)
         return forward_s + backward_and_sync + optimizer_s_per_element * numel / n
     if strategy == "fsdp":
