@@ -92,7 +92,8 @@ class Plan:
     """What :func:`plan` found. ``choice``: the fastest strategy that fits (None when none does; ``advice`` then
     says what would, ``suggestions`` the same as ``{"devices": n, "batch_size": b, "param_dtype": "bf16"}``);
     ``choice_options``: its options (``{"reshard_after_forward": ...}`` for fsdp,
-    ``{"stages", "schedule", "microbatches", "split"}`` for pipeline, ``{}`` otherwise)."""
+    ``{"stages", "schedule", "microbatches", "split"}`` for pipeline (``split``: the layer indices where
+    stages 1.. begin), ``{}`` otherwise)."""
 
     model: str
     devices: int

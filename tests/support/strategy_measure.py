@@ -78,7 +78,7 @@ class _Engine:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
             layers = model_layers(module)
-            starts = list(options["split"]) + [len(layers)]
+            starts = [0, *options["split"], len(layers)]
             mine = nn.Sequential(*(layers[i][1] for i in range(starts[rank], starts[rank + 1])))
             self.model = mine
             stage = PipelineStage(mine, rank, world, torch.device("cpu"))
@@ -166,9 +166,9 @@ def _collective(op: str, nbytes: int, world: int) -> float:
     if op == "allreduce":
         dist.all_reduce(big)
     elif op == "reducescatter":
-        dist.reduce_scatter_tensor(small, big)
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(small, big)
     else:
-        dist.all_gather_into_tensor(big, small)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(big, small)
     return time.perf_counter() - t0
 
 
