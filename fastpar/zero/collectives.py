@@ -10,7 +10,8 @@ each rank's ``param_flat`` slice reaches every rank):
   received, in gloo's ring order (gloo_order.py) -- so the sums have the bits of torch DDP's all-reduce.
   gloo's own reduce-scatter is several times slower than its all-reduce (measured: 155 vs 33 ms for 24 MB
   at 2 ranks); the exchange moves the same bytes as half an all-reduce. The peers' slices land in a
-  scratch buffer of ``(p - 1) / p`` of the bucket, kept per bucket (buckets are in flight together).
+  scratch buffer of ``(p - 1) / p`` of the bucket, kept per bucket (buckets are in flight together; at
+  stage 2 lent with the bucket's buffer by the pool instead, sharded_gradients.py).
   On CPU the messages are posted by a background thread (p2p_posting.py says why).
 
 ``"auto"``: p2p on gloo and on fastpar's shared-memory backend (whose all-reduce sums in gloo's ring order, so
@@ -90,7 +91,10 @@ class ZeroCollective:
 
     def start(self, bucket) -> object:
         """Reduce-scatter one bucket's ``comm_flat`` (staged and scaled by the reducer, as for DDP)."""
-        zb = self.sharded[bucket.index]
+        return self._reduce_scatter(self.sharded[bucket.index])
+
+    def _reduce_scatter(self, zb: ShardedBucket) -> object:
+        bucket = zb.bucket
         comm = bucket.comm_flat
         if zb.padding:  # zeros, also after a step scaled the shard by a non-finite factor (clipping an overflow)
             comm.narrow(0, bucket.numel - zb.padding, zb.padding).zero_()
@@ -108,8 +112,7 @@ class ZeroCollective:
         gradient it had (none, or what earlier backwards left: torch leaves its ``.grad`` alone)."""
         zb = self.sharded[bucket.index]
         comm = bucket.comm_flat
-        if self.exchange == "p2p":
-            self._sum_received(zb, comm)
+        self._sum_received(zb, comm)
         if comm is not bucket.grad_flat:  # reduced in bf16/fp16: widen into the fp32 gradient shard, exactly
             zb.grad_shard.copy_(zb.region(comm, self.rank))
         for slot in bucket.slots:
@@ -189,6 +192,9 @@ class ZeroCollective:
         return self._poster.submit(ops) if self._poster is not None else post_inline(ops)
 
     def _sum_received(self, zb: ShardedBucket, comm: torch.Tensor) -> None:
+        """The point-to-point exchange's additions (its messages have arrived); nothing for torch's reduce-scatter."""
+        if self.exchange != "p2p":
+            return
         for run in zb.sum_ranges:
             n = run.end - run.start
 
