@@ -5,6 +5,25 @@ reshardable checkpoints of sharded state through ``torch.distributed.checkpoint`
 
 ZeRO-1/2 (sharding on fastpar's own DDP buckets) lives in :mod:`fastpar.zero`; the memory planner that
 chooses between the strategies lives in :mod:`fastpar.costmodel`.
+
+Fully sharded: :func:`fully_shard_model` (the entry point), :func:`fsdp_memory_report`, the unit choice
+:func:`select_units`, the precision :func:`precision_policy`, and the meta-device reference
+:func:`build_eager`.
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+from .fully_sharded import fsdp_memory_report, fully_shard_model
+from .meta_init import build_eager
+from .precision import precision_policy
+from .wrap_policy import WrapError, describe_units, select_units
+
+__all__: list[str] = [
+    "WrapError",
+    "build_eager",
+    "describe_units",
+    "fsdp_memory_report",
+    "fully_shard_model",
+    "precision_policy",
+    "select_units",
+]
