@@ -15,15 +15,34 @@ from __future__ import annotations
 
 from .fully_sharded import fsdp_memory_report, fully_shard_model
 from .meta_init import build_eager
+from .pipeline_layout import PipelineLayout, pipeline_layout
+from .pipeline_profile import LayerCost, ModelLayers, PipelineConfigError, model_layers, profile_layers
+from .pipeline_split import SCHEDULES, PipelineSplit, check_pipeline_shape, choose_split
+from .pipeline_stages import PipelinedModel, StageLayers, pipeline_memory_report, pipeline_model
 from .precision import precision_policy
 from .wrap_policy import WrapError, describe_units, select_units
 
 __all__: list[str] = [
+    "SCHEDULES",
+    "LayerCost",
+    "ModelLayers",
+    "PipelineConfigError",
+    "PipelineLayout",
+    "PipelineSplit",
+    "PipelinedModel",
+    "StageLayers",
     "WrapError",
     "build_eager",
+    "check_pipeline_shape",
+    "choose_split",
     "describe_units",
     "fsdp_memory_report",
     "fully_shard_model",
+    "model_layers",
+    "pipeline_layout",
+    "pipeline_memory_report",
+    "pipeline_model",
     "precision_policy",
+    "profile_layers",
     "select_units",
 ]
