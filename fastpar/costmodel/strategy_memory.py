@@ -150,8 +150,9 @@ def strategy_memory(
                 persistent_buffers=scratch + narrow,
             )
         largest = max(padded, default=0)
-        pool = ZERO2_POOL_BUFFERS * largest * rb  # full-size reduce buffers, each the largest bucket's size
-        scratch = int(ZERO2_POOL_BUFFERS * largest * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
+        lent = min(ZERO2_POOL_BUFFERS, len(padded))  # allocated on first use: never more than there are buckets
+        pool = lent * largest * rb  # full-size reduce buffers, each the largest bucket's size
+        scratch = int(lent * largest * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
         unlaunched = largest * pb  # autograd's full-size .grad of the bucket being filled, dropped at its launch
         return MemoryBreakdown(
             total_padded * pb,

@@ -28,14 +28,14 @@ def _zero2_available() -> bool:
 
 @pytest.mark.slow
 def test_model_state_bytes_match_every_engine_within_five_percent():
-    predicted = plan(spec_of(MODEL), devices=2, device_memory="1GB", batch_size=4, seq_len=MODEL["seq_len"])
+    planned = plan(spec_of(MODEL), devices=2, device_memory="1GB", batch_size=4, seq_len=MODEL["seq_len"])
     strategies = {
-        e.label: (e.strategy, e.options) for e in predicted.estimates if e.strategy != "zero2" or _zero2_available()
+        e.label: (e.strategy, e.options) for e in planned.estimates if e.strategy != "zero2" or _zero2_available()
     }
     config = {"model": MODEL, "batch_size": 4, "strategies": strategies, "warmup": 1, "rounds": 0}
     results = spawn(measure_rank, 2, config, timeout=600)
     problems = []
-    for e in predicted.estimates:
+    for e in planned.estimates:
         if e.label not in strategies:
             continue
         predicted, measured = compare_state(e, results)  # the largest rank (pipeline stages differ)
