@@ -45,6 +45,7 @@ DTYPES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16
 DEFAULT_HEADROOM = 0.10
 ASSUMED_GPU_FLOPS = 200e12  # planning for GPUs from a CPU host: ~half an H100's dense bf16 peak (stated in notes)
 GPU_MEMORY_BYTES_PER_S = 2e12  # HBM bandwidth an elementwise optimizer step reaches (assumed, H100-class)
+MAX_PEERS = 15  # forked peers while timing compute for CPU ranks
 TIE = 0.03  # step predictions this close are not told apart (the step time model's own spread is wider)
 _MB = 1 << 20
 
@@ -110,6 +111,8 @@ def plan(
             seq_len=seq_len,
             device=probe_device,
             flops_per_s=device_flops,
+            # CPU ranks share this host: time one among its peers (capped: a plan must not fork a crowd)
+            alongside=0 if on_gpu else min(devices - 1, MAX_PEERS),
         )
         opt_s = optimizer_seconds_per_element(optimizer, probe_device)
     if on_gpu and not gpu_here:

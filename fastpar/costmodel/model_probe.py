@@ -167,6 +167,49 @@ def _timed_step(spec: ModelSpec, module: nn.Module, layers, batch) -> tuple[list
     return spans, t1 - t0, t2 - t1
 
 
+class _Peers:
+    """``count`` forked processes stepping the same model on the same batch until the block ends: the other CPU
+    ranks of a run, so the clock in this process sees the cores and memory bandwidth shared as they will be."""
+
+    def __init__(self, spec: ModelSpec, module: nn.Module, batch, count: int) -> None:
+        self.spec, self.module, self.batch, self.count = spec, module, batch, count
+        self.procs: list = []
+
+    def __enter__(self) -> _Peers:
+        if self.count <= 0:
+            return self
+        import multiprocessing as mp
+
+        ctx = mp.get_context("fork")  # the model and batch are already built here; a fork shares them as they are
+        self.stop, started = ctx.Event(), ctx.Semaphore(0)
+        for _ in range(self.count):
+            proc = ctx.Process(target=_peer_steps, args=(self.spec, self.module, self.batch, self.stop, started))
+            proc.daemon = True
+            proc.start()
+            self.procs.append(proc)
+        for _ in self.procs:
+            started.acquire(timeout=60)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.procs:
+            return
+        self.stop.set()
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
+def _peer_steps(spec, module, batch, stop, started) -> None:
+    torch.set_num_threads(1)
+    started.release()
+    while not stop.is_set():
+        spec.loss_of(_call(module, batch), batch).backward()
+        module.zero_grad(set_to_none=True)
+
+
 def matmul_flops_per_s(device: str | torch.device = "cpu", n: int = 512) -> float:
     """Floating-point operations per second of an ``n x n`` fp32 matmul here (the rate FLOP counts are timed at)."""
     a = torch.randn(n, n, device=device)
@@ -190,18 +233,21 @@ def probe(
     device: str | torch.device = "cpu",
     materialize_limit_bytes: int = 2 << 30,
     flops_per_s: float | None = None,
+    alongside: int = 0,
 ) -> ProbeResult:
     """Measure ``spec``'s activations and compute on a batch of ``batch_size`` (kept small: 1-2 samples).
     ``flops_per_s``: time the compute as FLOPs at this rate instead of with a clock (planning for a device
-    that is not here)."""
+    that is not here). ``alongside``: CPU ranks that will share this host with the measured one; that many
+    forked processes run the same steps while the clock runs, so the time is a rank's among its peers
+    (2 ranks on 2 cores compute 2-3x slower each than one process alone, measured)."""
     device = torch.device(device)
     # the caller's random streams stay as they were (the Trainer plans between seeding and its first step)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        return _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per_s)
+        return _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per_s, alongside)
 
 
-def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per_s) -> ProbeResult:
+def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per_s, alongside) -> ProbeResult:
     counts = spec.layers()
     fp32_bytes = 4 * sum(layer.numel for layer in counts)
     real = fp32_bytes <= materialize_limit_bytes or spec.fixed_batch is not None
@@ -243,11 +289,13 @@ def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per
         sizes = [batch_size] if spec.fixed_batch is not None else [batch_size, 2 * batch_size]
         batches = {b: spec.batch(module, b, seq_len, device) for b in sizes}
         runs = {b: [] for b in sizes}
-        for k in range(_REPEATS + 1):
-            for b in sizes:
-                run = _timed_step(spec, module, layers, batches[b])
-                if k:  # the first round warms up
-                    runs[b].append(run)
+        peers = _Peers(spec, module, batches[sizes[-1]], alongside if device.type == "cpu" else 0)
+        with peers:
+            for k in range(_REPEATS + 1):
+                for b in sizes:
+                    run = _timed_step(spec, module, layers, batches[b])
+                    if k:  # the first round warms up
+                        runs[b].append(run)
         top = sizes[-1]
         spans = [median(r[0][i] for r in runs[top]) for i in range(len(layers))]
         totals = {b: (median(r[1] for r in runs[b]), median(r[2] for r in runs[b])) for b in sizes}
