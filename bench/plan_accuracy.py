@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = spec_of(model)
     plan_args = dict(devices=2, device_memory="1TB", batch_size=args.batch_size, seq_len=args.seq_len, threads=1)
     torch.set_num_threads(1)  # as each spawned rank runs
-    measured = probe(spec, batch_size=2, seq_len=args.seq_len)
+    measured = probe(spec, batch_size=2, seq_len=args.seq_len, alongside=1)  # as plan() times CPU ranks
     opt_s = optimizer_seconds_per_element("adamw")
     predicted = plan(spec, probe_result=measured, **plan_args)
     import fastpar
