@@ -191,3 +191,16 @@ def test_fastpar_plan_bad_input_is_one_line(capsys, extra, message):
 def test_a_model_path_that_is_not_a_module_is_refused():
     with pytest.raises(UserError, match="not 'package.module:function'"):
         ModelSpec.from_path("torch.nn.Linear")
+
+
+def test_cpu_collectives_without_a_calibrated_profile_use_the_stated_loopback_fabric(monkeypatch):
+    from fastpar.costmodel import planner_comm
+
+    monkeypatch.setattr(planner_comm, "_shipped_profile", lambda: None)
+    comm, costs, text = planner_comm.comm_model(on_gpu=False)
+    shipped = planner_comm.Profile.load(
+        planner_comm.Path(__file__).resolve().parents[2] / "bench" / "results" / "profile-cpu-2rank-mlp.json"
+    )
+    assert "assumed" in text and costs.compute_slowdown == 0.0
+    for nbytes in (1 << 16, 1 << 20, 1 << 24):  # the fallback is the shipped profile's fit, to within 20%
+        assert comm("allreduce", nbytes, 2) == pytest.approx(shipped.comm(2, "allreduce")(nbytes), rel=0.2)
