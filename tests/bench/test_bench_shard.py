@@ -27,8 +27,9 @@ def test_shard_benchmark_measures_every_strategy_beside_the_plan(backend, tmp_pa
     total = {s: max(sum(rank.values()) for rank in state[s]) for s in STRATEGIES}
     # 4 x Linear(64, 64): 16,640 fp32 parameters; DDP holds them, their gradients and AdamW's two moments
     assert total["ddp"] >= 16_640 * 4 * 4
-    assert total["zero1"] < total["ddp"] and total["zero2"] < total["zero1"]
-    assert total["fsdp_reshard"] < total["zero2"] and total["pipeline"] < total["ddp"]
+    # one bucket here: ZeRO-2's pool lends it a full-size buffer, so only the optimizer state shrinks
+    assert max(total["zero1"], total["zero2"]) < total["ddp"]
+    assert total["fsdp_reshard"] < total["zero1"] and total["pipeline"] < total["ddp"]
     goals = {g["name"]: g for g in data["summary"]["goals"]}
     assert any(name.startswith("ddp: |predicted / measured - 1|") for name in goals)
     assert data["summary"]["goals_met"] == all(g["met"] for g in goals.values())
