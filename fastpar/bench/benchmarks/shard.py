@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...user_errors import UserError
 from .. import launch
 from ..context import BenchContext
 from ..goals import AT_MOST, Goal
@@ -388,7 +389,7 @@ def run(ctx: BenchContext) -> BenchReport | None:
 
         try:
             memory = parse_bytes(flags.device_memory)
-        except ValueError as exc:
+        except (ValueError, UserError) as exc:
             raise BenchUsageError(f"--device-memory: {exc}") from None
     settings = ShardSettings(flags.width, flags.depth, flags.batch, flags.microbatches, memory)
     return launch.run_distributed(_rank_main, ctx, settings)
