@@ -76,13 +76,15 @@ class Run:
             device=device,
             cache_dir=opts.data_cache_dir,  # object-store data: a local cache shared by the ranks
         )
-        name, plan_options = opts.strategy, {}
+        name, plan_options, example = opts.strategy, {}, None
         if world_size > 1 and (name == "auto" or opts.memory_budget is not None):
             name, plan_options = self._plan(name)
         elif name == "auto":
             name = "ddp"  # one process: nothing to shard
+        if name == "pipeline" and world_size > 1:
+            example = self._example_batch()
         _seed_everything(opts.seed)  # identical initial weights on every rank
-        self.strategy = build_strategy(job, name, rank, world_size, device, plan_options)
+        self.strategy = build_strategy(job, name, rank, world_size, device, plan_options, example)
         self.model, self.ddp_model = self.strategy.model, self.strategy.train_model
         self.optimizer = self.strategy.optimizer
         self.scheduler = opts.lr_scheduler(self.optimizer) if opts.lr_scheduler else None
@@ -125,17 +127,22 @@ class Run:
 
     def _plan(self, strategy: str) -> tuple[str, dict]:
         """Ask the memory planner (rank 0, with a real batch) which strategy fits; every rank gets its answer."""
-        example = None
+        example = module = None
         if self.is_main:
             _seed_everything(self.opts.seed)
-            module = build_model(self.job.model) if not isinstance(self.job.model, torch.nn.Module) else self.job.model
-            loader = make_loader(self.job.train_data, train=True, rank=0, world_size=1, **self.loader_args)
-            example = self._batch(next(iter(loader)), module_dtype=module)
-        else:
-            module = None
+            module = build_model(self.job.model)
+            example = self._example_batch(module)
         return plan_sharding(
             module, example, strategy, self.opts.memory_budget_bytes, self.rank, self.world_size, self.device
         )
+
+    def _example_batch(self, module: torch.nn.Module | None = None) -> tuple[Any, Any]:
+        """The first training batch (as rank 0 of one process would read it), on this device."""
+        if module is None:
+            _seed_everything(self.opts.seed)
+            module = build_model(self.job.model)
+        loader = make_loader(self.job.train_data, train=True, rank=0, world_size=1, **self.loader_args)
+        return self._batch(next(iter(loader)), module_dtype=module)
 
     def _agreed_batches_per_epoch(self) -> int:
         """Batches per epoch, checked equal on every rank: a rank with fewer would leave the others in a collective."""

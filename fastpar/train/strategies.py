@@ -208,7 +208,9 @@ class PipelineStrategy(DcpStrategy):
     name = "pipeline"
     can_validate = False
 
-    def __init__(self, job: Job, rank: int, world_size: int, device: torch.device, plan_options=None) -> None:
+    def __init__(
+        self, job: Job, rank: int, world_size: int, device: torch.device, plan_options=None, example_input=None
+    ) -> None:
         from ..shard import pipeline_model
 
         self.job, self.opts = job, job.options
@@ -226,15 +228,16 @@ class PipelineStrategy(DcpStrategy):
                 f"batch_size={opts.batch_size} does not split into {microbatches} micro-batches; set "
                 "TrainingOptions.microbatches to a divisor of batch_size"
             )
-        model = build_model(job.model)
         self.pipeline = pipeline_model(
-            model,
+            build_model(job.model).to(device),
             stages=stages,
             loss_fn=job.loss_fn,
             microbatches=microbatches,
             schedule=opts.pipeline_schedule,
-            split=planned.get("split"),
-            example_input=None,
+            split=planned.get("split", "auto"),
+            example_input=example_input,  # a real batch: the split is measured on it and fixes the shapes sent
+            device=device,
+            memory_limit_bytes=opts.memory_budget_bytes,
         )
         self.stages, self.microbatches = stages, microbatches
         self.model = self.train_model = self.pipeline.module  # this rank's stage, parameters under their global names
@@ -242,11 +245,11 @@ class PipelineStrategy(DcpStrategy):
 
     @property
     def data_rank(self) -> int:  # every stage of one replica reads the same batches
-        return getattr(self.pipeline, "dp_rank", self.rank // self.stages)
+        return self.pipeline.layout.dp_rank
 
     @property
     def data_world_size(self) -> int:
-        return getattr(self.pipeline, "dp_size", self.world_size // self.stages)
+        return self.pipeline.layout.dp
 
     def no_sync(self, last_micro: bool):
         return contextlib.nullcontext()  # one batch per step (grad_accum_steps=1): micro-batches inside .step
@@ -293,9 +296,16 @@ class PipelineStrategy(DcpStrategy):
 
 
 def build_strategy(
-    job: Job, name: str, rank: int, world_size: int, device: torch.device, plan_options: dict | None = None
+    job: Job,
+    name: str,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    plan_options: dict | None = None,
+    example_batch: Any = None,
 ) -> Strategy:
-    """The strategy ``name`` (already resolved from "auto") for this rank. One process: plain training."""
+    """The strategy ``name`` (already resolved from "auto") for this rank. One process: plain training.
+    ``example_batch``: a real ``(x, y)`` batch (pipeline stages are measured and shaped on it)."""
     if world_size == 1 or name == "ddp":
         return Strategy(job, rank, world_size, device)
     if name in ("zero1", "zero2"):
@@ -303,5 +313,5 @@ def build_strategy(
     if name == "fsdp":
         return FsdpStrategy(job, rank, world_size, device, plan_options)
     if name == "pipeline":
-        return PipelineStrategy(job, rank, world_size, device, plan_options)
+        return PipelineStrategy(job, rank, world_size, device, plan_options, example_batch[0])
     raise ValueError(f"unknown sharding strategy {name!r}")

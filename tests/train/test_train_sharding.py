@@ -27,37 +27,30 @@ DATA = blobs(192, seed=3)  # 2 ranks x 16: 6 steps per epoch; 3 ranks: 4
 BATCH = 16
 
 
-class Blocks(torch.nn.Module):
-    """Four layers in a ModuleList: units for FSDP2, stages for a pipeline."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(
-            [torch.nn.Linear(8, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, CLASSES)]
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = torch.relu(x)
-        return x
+def make_blocks(hidden: tuple[int, int] = (32, 32)) -> torch.nn.Sequential:
+    """Four linear layers in a Sequential: units for FSDP2, layers to split into pipeline stages."""
+    a, b = hidden
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, a),
+        torch.nn.ReLU(),
+        torch.nn.Linear(a, b),
+        torch.nn.ReLU(),
+        torch.nn.Linear(b, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, CLASSES),
+    )
 
 
-class Wider(Blocks):
-    """Blocks with another hidden size: a checkpoint of Blocks must be refused for it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers[1] = torch.nn.Linear(32, 48)
-        self.layers[2] = torch.nn.Linear(48, 32)
+def make_wider() -> torch.nn.Sequential:
+    """Another hidden size: a checkpoint of make_blocks' model must be refused for it."""
+    return make_blocks((48, 32))
 
 
 def make_adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, weight_decay=0.05)
 
 
-def fit(tmp: Path, devices: int = 2, model=Blocks, **overrides):
+def fit(tmp: Path, devices: int = 2, model=make_blocks, **overrides):
     base = dict(
         max_epochs=2,
         batch_size=BATCH,
@@ -149,7 +142,7 @@ def test_consolidated_export_loads_into_the_plain_model(straight_run, tmp_path):
         pytest.skip("ddp writes single files, already plain state dicts")
     newest = ckpt.list_checkpoints(tmp / "ck")[-1]
     out = sharded.export_consolidated(newest, tmp_path / "model.pt")
-    model = Blocks()
+    model = make_blocks()
     model.load_state_dict(torch.load(out, weights_only=True))
     assert_same_parameters(model, straight.model)  # the final checkpoint is the end of the run
     x = DATA[0][:32]
@@ -212,9 +205,9 @@ def test_checkpoint_of_another_model_is_refused_before_the_first_step(two_and_th
     folder = two_and_three_rank_runs["zero1", 2]
     copy_checkpoint(folder.parent, 6, tmp_path / "ck")
     with pytest.raises(
-        Exception, match=r"different model .*layers\.1\.weight: checkpoint \[32, 32\], model \[48, 32\]"
+        Exception, match=r"different model .*2\.weight: checkpoint \[32, 32\], model \[32, 48\]"
     ):
-        fit(tmp_path, model=Wider, sharding="zero1", checkpoint_dir=str(tmp_path / "ck"), resume=True)
+        fit(tmp_path, model=make_wider, sharding="zero1", checkpoint_dir=str(tmp_path / "ck"), resume=True)
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or not (tmp_path / "out" / "metrics.jsonl").read_text()
     with pytest.raises(Exception, match="sharding='zero1', this run uses sharding='fsdp'"):
         fit(tmp_path, sharding="fsdp", checkpoint_dir=str(tmp_path / "ck"), resume=True)
