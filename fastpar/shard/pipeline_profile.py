@@ -168,7 +168,9 @@ def profile_layers(
         if not layers.is_sequential:
             why = _forward_is_the_chain(model, layers, microbatch)
             if why:
-                raise PipelineConfigError(f"{type(model).__name__} cannot be split into stages: {why}; {HOW_TO_EXPRESS}")
+                raise PipelineConfigError(
+                    f"{type(model).__name__} cannot be split into stages: {why}; {HOW_TO_EXPRESS}"
+                )
         x = microbatch.to(device)
         for name, layer in zip(layers.names, layers.modules, strict=True):
             measured = copy.deepcopy(layer).to(device)

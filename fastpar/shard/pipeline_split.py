@@ -114,7 +114,9 @@ def _in_flight(schedule: str, stage: int, stages: int, virtual_stages: int, micr
     if schedule == "1f1b":
         return min(microbatches, stages - rank)
     rounds = max(1, microbatches // stages)
-    warmup = min((virtual_stages - 1) * (microbatches // rounds) + 2 * (stages - 1 - rank), microbatches * virtual_stages)
+    warmup = min(
+        (virtual_stages - 1) * (microbatches // rounds) + 2 * (stages - 1 - rank), microbatches * virtual_stages
+    )
     return min(microbatches, math.ceil((warmup + 1) / virtual_stages))
 
 

@@ -158,7 +158,9 @@ class PipelinedModel:
                 f"the pipeline with an example of the new shape"
             )
         if self.is_first and inputs is None or self.is_last and targets is None:
-            raise PipelineConfigError("the first stage needs inputs and the last stage targets: pass both on every rank")
+            raise PipelineConfigError(
+                "the first stage needs inputs and the last stage targets: pass both on every rank"
+            )
         args = (inputs.to(self.device),) if self.is_first else ()
         target = targets.to(self.device) if self.is_last else None
         losses: list[torch.Tensor] | None = [] if self.is_last else None

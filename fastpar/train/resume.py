@@ -186,6 +186,15 @@ def single_file_state(folder: str | Path) -> dict[str, Any]:
     record = sharded.read_trainer_record(folder)
     whole = sharded.consolidated_state(folder)
     model, optim = whole["model"], whole["optim"]
+    if "param_groups" not in optim:  # hyperparameters per parameter: consecutive equal ones make a group
+        groups: list[dict[str, Any]] = []
+        for name in (n for n in model if n in optim["groups_of"]):
+            hyper = optim["groups_of"][name]
+            if groups and {k: v for k, v in groups[-1].items() if k != "params"} == hyper:
+                groups[-1]["params"].append(name)
+            else:
+                groups.append({**hyper, "params": [name]})
+        optim["param_groups"] = groups
     position = {name: i for i, name in enumerate(n for g in optim["param_groups"] for n in g["params"])}
     state = {}
     for name, entry in optim["state"].items():

@@ -124,7 +124,11 @@ class ZeroStrategy(Strategy):
 
 
 class DcpStrategy(Strategy):
-    """A model and plain optimizer checkpointed through torch's ``get_state_dict``/``set_state_dict``."""
+    """A model and plain optimizer checkpointed through torch's ``get_state_dict``/``set_state_dict``.
+
+    The optimizer's hyperparameters are saved per parameter (``optim.groups_of.<name>``), not as the list of
+    param groups: pipeline stages hold different parameters, so their group lists differ, and a list under one
+    key would be written once for all of them (DCP keeps one copy of a replicated value)."""
 
     sharded_checkpoints = True
 
@@ -132,15 +136,30 @@ class DcpStrategy(Strategy):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optim": optim_state}
+        return {"model": model_state, "optim": _by_parameter(optim_state)}
 
     def load_checkpoint(self, path: Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer)  # the skeleton: this rank's pieces
-        state = {"model": model_state, "optim": optim_state}
+        state = {"model": model_state, "optim": _by_parameter(optim_state)}
         sharded.load_sharded(state, path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        groups_of = state["optim"]["groups_of"]
+        optim_state = {
+            "state": state["optim"]["state"],
+            "param_groups": [{**groups_of[g["params"][0]], "params": g["params"]} for g in optim_state["param_groups"]],
+        }
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
+
+
+def _by_parameter(optim_state: dict[str, Any]) -> dict[str, Any]:
+    """``get_state_dict``'s optimizer state with each parameter's group hyperparameters under its own name."""
+    groups_of = {
+        name: {k: v for k, v in group.items() if k != "params"}
+        for group in optim_state["param_groups"]
+        for name in group["params"]
+    }
+    return {"state": optim_state["state"], "groups_of": groups_of}
 
 
 class FsdpStrategy(DcpStrategy):
