@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_elementwise", "check_parameter_coverage", "describe_group", "refuse_closure_optimizer"]
+__all__ = [
+    "check_elementwise",
+    "check_parameter_coverage",
+    "describe_group",
+    "refuse_closure_optimizer",
+    "refuse_incompatible_model",
+]
 
 _PROBE_SHAPES = ((5, 7), (3,), (2, 3, 4))
 _PROBE_STEPS = 3
@@ -26,6 +32,30 @@ _PROBE_STEPS = 3
 def describe_group(index: int, names: Sequence[str]) -> str:
     shown = ", ".join(names[:4]) + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
     return f"param group {index} ({shown or 'no parameters'})"
+
+
+def refuse_incompatible_model(model: object, shard_gradients: object) -> None:
+    """A fastpar DDP model, and at stage 2 one whose gradients need not be bucket views."""
+    from ..ddp.distributed import DistributedDataParallel
+
+    if not isinstance(shard_gradients, bool):
+        raise TypeError(f"shard_gradients must be True (ZeRO-2) or False (ZeRO-1), got {shard_gradients!r}")
+    stage = "ZeRO-2 (shard_gradients=True)" if shard_gradients else "ZeRO-1"
+    if not isinstance(model, DistributedDataParallel):
+        hint = ""
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            hint = " (torch's DistributedDataParallel reduces whole buckets in C++, out of fastpar's reach)"
+        raise TypeError(
+            f"ShardedOptimizer ({stage}) needs a fastpar.DistributedDataParallel model (it replaces the model's "
+            f"all-reduce with a reduce-scatter), got {type(model).__name__}{hint}; wrap the module with "
+            "fastpar.DistributedDataParallel instead"
+        )
+    if shard_gradients and model.reducer.alias_divides:
+        raise ValueError(
+            "ShardedOptimizer(shard_gradients=True) keeps no full-size gradient bucket, so gradients cannot be "
+            "bucket views, but the model was built with gradient_as_bucket_view=True. Leave gradient_as_bucket_view "
+            "unset in fastpar.DistributedDataParallel, or use shard_gradients=False (ZeRO-1)"
+        )
 
 
 def refuse_closure_optimizer(optimizer_class: type) -> None:

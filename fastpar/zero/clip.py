@@ -28,11 +28,17 @@ __all__ = ["ShardNorms"]
 
 
 def _shaped(slot: ParamSlot, flat: torch.Tensor) -> torch.Tensor:
-    """``flat`` (the parameter's elements in storage order) shaped and strided like the parameter."""
+    """``flat`` (the parameter's elements in storage order) shaped and strided like the parameter's gradient:
+    the parameter's strides when it is dense, else contiguous (the bucket's layout contract)."""
     param = slot.param
-    if not param.is_contiguous():
+    if slot.dense and not param.is_contiguous():
         return flat.as_strided(param.size(), param.stride(), flat.storage_offset())
     return flat.view(param.shape)
+
+
+def _reduced(zb: ShardedBucket, a: int, b: int) -> torch.Tensor:
+    """Elements ``[a, b)`` (bucket coordinates, inside this rank's shard) of the reduced gradient."""
+    return zb.grad_shard.narrow(0, a - zb.start, b - a)
 
 
 class ShardNorms:
@@ -69,7 +75,7 @@ class ShardNorms:
         for zb, slot, a, b, owner in self.sends:
             works.append(
                 dist.isend(
-                    zb.bucket.grad_flat.narrow(0, a, b - a),
+                    _reduced(zb, a, b),
                     group=self.group,
                     group_dst=owner,
                     tag=self.tag_base + slot.index,
@@ -80,12 +86,12 @@ class ShardNorms:
             for q, a, b in pieces:
                 part = whole.narrow(0, a - slot.offset, b - a)
                 if q == self.rank:
-                    part.copy_(zb.bucket.grad_flat.narrow(0, a, b - a))
+                    part.copy_(_reduced(zb, a, b))
                 else:
                     works.append(dist.irecv(part, group=self.group, group_src=q, tag=self.tag_base + slot.index))
             gathered.append((slot, whole))
         WorkSet(works).wait()
-        mine = [(slot, slot.layout_view(zb.bucket.grad_flat)) for zb, slot in self.local]
+        mine = [(slot, _shaped(slot, _reduced(zb, slot.offset, slot.offset + slot.numel))) for zb, slot in self.local]
         mine += [(slot, _shaped(slot, whole)) for slot, whole in gathered]
         norms = torch.zeros(self.num_params, dtype=torch.float32, device=device)
         if mine:

@@ -90,7 +90,10 @@ class ZeroCollective:
 
     def start(self, bucket) -> object:
         """Reduce-scatter one bucket's ``comm_flat`` (staged and scaled by the reducer, as for DDP)."""
-        zb = self.sharded[bucket.index]
+        return self._reduce_scatter(self.sharded[bucket.index])
+
+    def _reduce_scatter(self, zb: ShardedBucket) -> object:
+        bucket = zb.bucket
         comm = bucket.comm_flat
         if zb.padding:  # zeros, also after a step scaled the shard by a non-finite factor (clipping an overflow)
             comm.narrow(0, bucket.numel - zb.padding, zb.padding).zero_()
@@ -108,8 +111,7 @@ class ZeroCollective:
         gradient it had (none, or what earlier backwards left: torch leaves its ``.grad`` alone)."""
         zb = self.sharded[bucket.index]
         comm = bucket.comm_flat
-        if self.exchange == "p2p":
-            self._sum_received(zb, comm)
+        self._sum_received(zb, comm)
         if comm is not bucket.grad_flat:  # reduced in bf16/fp16: widen into the fp32 gradient shard, exactly
             zb.grad_shard.copy_(zb.region(comm, self.rank))
         for slot in bucket.slots:
@@ -189,6 +191,9 @@ class ZeroCollective:
         return self._poster.submit(ops) if self._poster is not None else post_inline(ops)
 
     def _sum_received(self, zb: ShardedBucket, comm: torch.Tensor) -> None:
+        """The point-to-point exchange's additions (its messages have arrived); nothing for torch's reduce-scatter."""
+        if self.exchange != "p2p":
+            return
         for run in zb.sum_ranges:
             n = run.end - run.start
 

@@ -1,11 +1,15 @@
 """ZeRO's bucket layout: buckets of one parameter group each, padded to a multiple of the world size, so
 every rank's shard is one contiguous slice of each flat buffer.
 
-Per bucket there are three flat buffers of the same layout (buckets.py: each parameter in its storage
-order): ``grad_flat`` (gradients, what is reduce-scattered, or ``comm_flat`` when reducing in bf16),
-and ``param_flat``, which the model's parameters become views of -- so the all-gather of the updated
-shards writes straight into the parameters. A rank owns ``[rank * S, (rank + 1) * S)`` of each: its
-optimizer steps ``param_flat``'s slice with ``grad_flat``'s slice as the gradient.
+Per bucket there are flat buffers of the same layout (buckets.py: each parameter in its storage order):
+``param_flat``, which the model's parameters become views of -- so the all-gather of the updated shards
+writes straight into the parameters -- and the gradients. A rank owns ``[rank * S, (rank + 1) * S)`` of
+each: its optimizer steps ``param_flat``'s slice with ``grad_shard`` as the gradient.
+
+- Stage 1: the bucket keeps a full-size ``grad_flat`` (the ``.grad`` views; what is reduce-scattered, or
+  ``comm_flat`` when reducing in bf16), and ``grad_shard`` is this rank's slice of it.
+- Stage 2 (``shard_gradients``): ``grad_shard`` is the bucket's only persistent gradient memory (1/N of
+  it); ``comm_flat`` exists only while the bucket is in flight, lent by a pool (gradient_pool.py).
 
 Where a bucket's elements would sit in the bucket torch's DDP reduces (the *reference* layout) is kept
 per bucket, because at 3+ ranks gloo's summation order depends on it (gloo_order.py).
@@ -26,7 +30,9 @@ __all__ = ["ShardedBucket", "build_sharded_buckets", "reference_positions"]
 class ShardedBucket:
     """One ZeRO bucket: the reducer's (padded) bucket, this rank's shard of it, and its parameter buffer."""
 
-    def __init__(self, bucket: Bucket, group_index: int, rank: int, world_size: int) -> None:
+    def __init__(
+        self, bucket: Bucket, group_index: int, rank: int, world_size: int, shard_gradients: bool = False
+    ) -> None:
         self.bucket = bucket
         self.group_index = group_index  # the optimizer's param group every parameter here belongs to
         self.rank, self.world_size = rank, world_size
@@ -38,7 +44,16 @@ class ShardedBucket:
         self.param_flat = _relocate_parameters(bucket)
         # what this rank's optimizer steps: a view of its slice of the parameters, and of the gradients
         self.shard_param = torch.nn.Parameter(self.param_flat.narrow(0, self.start, self.shard_numel))
-        self.grad_shard = bucket.grad_flat.narrow(0, self.start, self.shard_numel)
+        self.comm_dtype = bucket.comm_flat.dtype  # what the exchange moves (bf16 when reducing in bf16)
+        if shard_gradients:  # the reduced shard outlives the bucket's (pooled) full-size buffer
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=bucket.dtype, device=self.param_flat.device)
+            bucket.comm_flat = self.placeholder = _placeholder(bucket)  # lent by the pool while in flight
+            for slot in bucket.slots:
+                slot.comm_view = None
+        else:
+            self.grad_shard = bucket.grad_flat.narrow(0, self.start, self.shard_numel)
+            self.placeholder = None
+        self.buffer = None  # stage 2: the pool's buffer this bucket holds while in flight
         self.sum_ranges: list[SumRange] = []
         self.scratch: torch.Tensor | None = None  # the peers' contributions (point-to-point exchange)
         self.gather = None  # the in-flight all-gather of updated shards
@@ -78,14 +93,20 @@ class ShardedBucket:
                     pieces[-1] = (start, length + slot.numel, ref_start, numel)
                     continue
             pieces.append((slot.offset, slot.numel, ref_offset, ref_numel))
-        itemsize = self.bucket.comm_flat.element_size()
+        itemsize = torch.empty((), dtype=self.comm_dtype).element_size()
         self.sum_ranges = shard_sum_ranges(pieces, (self.start, self.end), self.world_size, itemsize)
+
+
+def _placeholder(bucket: Bucket) -> torch.Tensor:
+    """What a stage-2 bucket's ``comm_flat`` is while not in flight: its size and dtype, no memory (the DDP logger
+    reports bucket sizes from it), and a write into it fails instead of landing anywhere."""
+    return torch.empty(bucket.numel, dtype=bucket.comm_flat.dtype, device="meta")
 
 
 @torch.no_grad()
 def _relocate_parameters(bucket: Bucket) -> torch.Tensor:
     """A flat buffer holding the bucket's parameters, which become views of it (their values unchanged)."""
-    flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.grad_flat.device)
+    flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=bucket.slots[0].param.device)
     for slot in bucket.slots:
         view = slot.layout_view(flat)
         view.copy_(slot.param.detach())
@@ -112,10 +133,13 @@ def build_sharded_buckets(
     grad_dtype: torch.dtype | None,
     rank: int,
     world_size: int,
+    shard_gradients: bool = False,
 ) -> list[ShardedBucket]:
     """ZeRO buckets from a layout: each bucket of ``assignment`` split by parameter group (``group_of[slot
-    index]``; members keep their order), padded, with the parameters moved into ``param_flat``. Gradients
-    always live in bucket views (every ``.grad`` present now is moved there)."""
+    index]``; members keep their order), padded, with the parameters moved into ``param_flat``. Stage 1:
+    gradients live in bucket views (every ``.grad`` present now is moved there). Stage 2: no full-size
+    gradient buffer is kept (the bucket's ``comm_flat``, allocated by the reducer's constructor, is dropped
+    at once: at most one bucket's worth exists at a time while building)."""
     split: list[list[int]] = []
     groups: list[int] = []
     for members in assignment:
@@ -124,5 +148,9 @@ def build_sharded_buckets(
             by_group.setdefault(group_of[i], []).append(i)
         split.extend(by_group.values())
         groups.extend(by_group)
-    buckets = build_buckets(slots, split, True, grad_dtype, pad_to=world_size)
-    return [ShardedBucket(b, g, rank, world_size) for b, g in zip(buckets, groups, strict=True)]
+    sharded = []
+    for members, group in zip(split, groups, strict=True):
+        (bucket,) = build_buckets(slots, [members], not shard_gradients, grad_dtype, pad_to=world_size)
+        bucket.index = len(sharded)
+        sharded.append(ShardedBucket(bucket, group, rank, world_size, shard_gradients))
+    return sharded

@@ -1,4 +1,5 @@
-"""``fastpar.ShardedOptimizer``: ZeRO stage 1 on fastpar's DDP buckets -- optimizer state / world size.
+"""``fastpar.ShardedOptimizer``: ZeRO on fastpar's DDP buckets -- stage 1 shards the optimizer state, stage 2
+(``shard_gradients=True``) the gradients too.
 
 ::
 
@@ -14,16 +15,20 @@ Every trainable parameter lives in a bucket padded to a multiple of the world si
 of every bucket. Backward reduce-scatters each bucket the moment it is complete (instead of DDP's
 all-reduce); ``step()`` runs the wrapped torch optimizer on this rank's flat slice of each bucket -- one
 tensor per bucket, so AdamW's moments exist only for 1/N of the parameters -- and starts the all-gather
-of the updated slices, which the next forward waits for module by module (zero_hooks.py).
+of the updated slices, which the next forward waits for module by module (hooks.py). Stage 1 keeps a
+full-size gradient buffer per bucket (the ``.grad`` views); stage 2 keeps only this rank's reduced shard
+per bucket, and stages gradients into a small pool of full-size buffers lent to the buckets in flight
+(sharded_gradients.py, gradient_pool.py).
 
 The arithmetic is the per-parameter optimizer's, elementwise: parameters after any number of steps are
 bit-identical to torch's DDP with the unsharded optimizer (on gloo the reduce-scatter adds in the
-all-reduce's order, gloo_order.py), except where noted in the README (clipping's norm, fused kernels).
-After a synchronised backward the parameters' ``.grad`` are None: the reduced gradient exists only as
-shards (use :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``; for loss scaling
-:class:`~fastpar.zero.grad_scaler.ShardedGradScaler`). torch's gradient semantics hold nonetheless: another
-backward before ``zero_grad`` adds onto the reduced gradient (collectives.py), and a parameter no rank used
-since ``zero_grad`` has no gradient and is not stepped (partial_step.py).
+all-reduce's order, gloo_order.py), at both stages, except where noted in the guide (clipping's fused
+norm, fused kernels). After a synchronised backward the parameters' ``.grad`` are None: the reduced
+gradient exists only as shards (use :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``; for
+loss scaling :class:`~fastpar.zero.grad_scaler.ShardedGradScaler`). torch's gradient semantics hold
+nonetheless: another backward before ``zero_grad`` adds onto the reduced gradient (collectives.py,
+sharded_gradients.py), and a parameter no rank used since ``zero_grad`` has no gradient and is not
+stepped (partial_step.py).
 """
 
 from __future__ import annotations
@@ -34,11 +39,19 @@ from typing import Any
 
 import torch
 
-from .checks import check_elementwise, check_parameter_coverage, describe_group, refuse_closure_optimizer
+from .checks import (
+    check_elementwise,
+    check_parameter_coverage,
+    describe_group,
+    refuse_closure_optimizer,
+    refuse_incompatible_model,
+)
 from .clip import ShardNorms
 from .collectives import ZeroCollective
 from .hooks import ParameterGate
+from .memory import measure_memory
 from .partial_step import step_shard
+from .sharded_gradients import ShardedGradientCollective
 from .state import gather_full_state, shard_state
 
 __all__ = ["ShardedOptimizer"]
@@ -49,14 +62,28 @@ _PLACEHOLDER = "fastpar_zero_placeholder"
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO-1: ``optimizer_class`` (any elementwise torch optimizer) over ``model``'s parameters, its state
-    sharded across the ranks of the model's process group.
+    """ZeRO: ``optimizer_class`` (any elementwise torch optimizer) over ``model``'s parameters, its state sharded
+    across the ranks of the model's process group (stage 1), and with ``shard_gradients=True`` its gradients
+    too (stage 2).
 
     ``model``: a :class:`fastpar.DistributedDataParallel`. ``params``: parameters or param groups as for
     ``optimizer_class`` (default ``model.parameters()``); groups may differ in hyperparameters -- each
     bucket holds one group's parameters. ``defaults``: ``optimizer_class``'s keyword arguments.
     ``overlap``: gather the updated parameters while the next forward runs (False: wait in ``step()``).
     ``exchange``: ``"auto"`` (point-to-point on gloo and the fastpar backend, collectives on NCCL), ``"p2p"`` or ``"collective"``.
+    ``shard_gradients``: ZeRO-2. After a bucket's reduce-scatter this rank keeps only its shard of the reduced
+    gradient (1/N of the bucket); full-size buffers exist only for the buckets in flight (a pool of
+    ``POOL_CAPACITY`` buffers per dtype, each the size of the largest bucket). What ``p.grad`` holds:
+
+    - after a synchronised backward: None for every parameter in a bucket, at both stages -- the reduced gradient
+      is in :meth:`shard_grads` (at stage 2 autograd's full-size ``.grad`` is dropped when its bucket launches,
+      during backward);
+    - after a backward under ``model.no_sync()``: this rank's local, unreduced gradient, full size (as in DDP);
+    - while another synchronised backward runs before ``zero_grad``: views of a temporary full-size buffer
+      holding the gathered reduced gradient, released bucket by bucket as that backward launches them.
+
+    Gradients are never bucket views at stage 2, so ``fastpar.DistributedDataParallel(...,
+    gradient_as_bucket_view=True)`` is refused with it.
     Build it before training (it moves the parameters into flat buffers) and call ``step()``,
     ``zero_grad()``, ``state_dict()`` and ``load_state_dict()`` on every rank.
     """
@@ -69,22 +96,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         *,
         overlap: bool = True,
         exchange: str = "auto",
+        shard_gradients: bool = False,
         **defaults: Any,
     ) -> None:
-        from ..ddp.distributed import DistributedDataParallel
-
-        if not isinstance(model, DistributedDataParallel):
-            raise TypeError(
-                f"ShardedOptimizer needs a fastpar.DistributedDataParallel model (it replaces the model's all-reduce "
-                f"with a reduce-scatter), got {type(model).__name__}; wrap the module with "
-                "fastpar.DistributedDataParallel first"
-            )
+        refuse_incompatible_model(model, shard_gradients)
         refuse_closure_optimizer(optimizer_class)
         reducer = model.reducer
         template = optimizer_class(model.parameters() if params is None else params, **defaults)
         super().__init__(template.param_groups, template.defaults)
         del template
         self.model, self.optimizer_class, self.overlap = model, optimizer_class, overlap
+        self.shard_gradients = shard_gradients
         self._ctor_kwargs = defaults
         self._group = reducer.group
         self._rank = self._group.rank()
@@ -106,7 +128,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **kwargs: Any
     ) -> ShardedOptimizer:
         """The sharded form of a plain ``optimizer`` over ``model``'s parameters: same class, groups,
-        hyperparameters and state (``kwargs``: ``overlap``, ``exchange``)."""
+        hyperparameters and state (``kwargs``: ``overlap``, ``exchange``, ``shard_gradients``)."""
         groups = [dict(g) for g in optimizer.param_groups]
         sharded = cls(model, type(optimizer), groups, **kwargs)
         if optimizer.state:
@@ -117,7 +139,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _install(self, reducer, group_of_slot: dict[int, int], exchange: str) -> None:
         instance = next(_instances)
         tags = (1 << 30) + (instance % 1000) * _TAGS_PER_INSTANCE
-        collective = ZeroCollective(reducer, group_of_slot, exchange, tags, instance)
+        kind = ShardedGradientCollective if self.shard_gradients else ZeroCollective
+        collective = kind(reducer, group_of_slot, exchange, tags, instance)
         reducer.install_bucket_collective(collective)  # refuses a comm hook or a second optimizer; builds the buckets
         self._collective, self._sharded = collective, collective.sharded
         self._inner = [
@@ -163,6 +186,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.detach_().zero_()
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage: 1 (optimizer state sharded) or 2 (gradients too: ``shard_gradients=True``)."""
+        return 2 if self.shard_gradients else 1
 
     @property
     def process_group(self):
@@ -284,6 +312,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for v in s.values()
             if torch.is_tensor(v)
         )
+
+    def memory_report(self) -> dict[str, int]:
+        """This rank's bytes, measured from the tensors it holds now (each storage counted once, in the first
+        category that holds it): ``"parameters"`` (the model's parameters), ``"gradients"`` (stage 1: the
+        gradient buckets; stage 2: the gradient shards, the pool's full-size buffers and any temporary
+        accumulation buffers; both: the point-to-point scratch and any ``.grad`` still held),
+        ``"optimizer_state"`` (the wrapped optimizer's state tensors), ``"gradient_pool"`` (the part of
+        ``"gradients"`` in the stage-2 pool; 0 at stage 1) and ``"total"``."""
+        return measure_memory(self)
 
     def _wait_buckets(self, indices) -> None:
         for i in indices:

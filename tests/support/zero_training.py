@@ -1,6 +1,6 @@
 """Training loops shared by the ZeRO tests (imported by spawned ranks): the same seeded model and inputs,
 trained with torch's DDP + a plain optimizer, fastpar's DDP + a plain optimizer, or fastpar's DDP +
-``ShardedOptimizer``."""
+``ShardedOptimizer`` (``shard_gradients=True``: ZeRO-2)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,11 @@ def build(
     overlap: bool = True,
     channels_last: bool = False,
     ddp_args: dict | None = None,
+    shard_gradients: bool = False,
+    torch_group=None,
 ):
-    """(wrapped model, optimizer) for ``impl`` in torch | fastpar | zero, from seed 0."""
+    """(wrapped model, optimizer) for ``impl`` in torch | fastpar | zero, from seed 0 (``shard_gradients``: zero's
+    stage 2; ``torch_group``: the process group of torch's DDP, e.g. gloo when the default group is fastpar's)."""
     import fastpar
 
     cls, kwargs = OPTIMIZERS[opt]
@@ -62,13 +65,19 @@ def build(
         module = module.to(memory_format=torch.channels_last)
     ddp_args = dict(ddp_args or {})
     if impl == "torch":
-        model = torch.nn.parallel.DistributedDataParallel(module, **ddp_args)
+        model = torch.nn.parallel.DistributedDataParallel(module, process_group=torch_group, **ddp_args)
         return model, cls(param_groups(model.module, groups), **kwargs)
     model = fastpar.DDP(module, grad_dtype=grad_dtype, **ddp_args)
     if impl == "fastpar":
         return model, cls(param_groups(model.module, groups), **kwargs)
     sharded = fastpar.ShardedOptimizer(
-        model, cls, param_groups(model.module, groups), exchange=exchange, overlap=overlap, **kwargs
+        model,
+        cls,
+        param_groups(model.module, groups),
+        exchange=exchange,
+        overlap=overlap,
+        shard_gradients=shard_gradients,
+        **kwargs,
     )
     return model, sharded
 
@@ -93,12 +102,15 @@ def train_steps(
     exact_clip: bool = True,
     channels_last: bool = False,
     accumulate: int = 1,
+    sync_backwards: int = 1,
 ) -> list[float]:
-    """``steps`` optimizer steps; returns the gradient norms when clipping."""
+    """``steps`` optimizer steps, each of ``accumulate - 1`` backwards under ``no_sync`` then ``sync_backwards``
+    synchronised ones (each adds onto the reduced gradient, as autograd onto DDP's ``.grad``); returns the
+    gradient norms when clipping."""
     norms = []
     for step in range(start, start + steps):
         optimizer.zero_grad()
-        for micro in range(accumulate):
+        for micro in range(accumulate - 1 + sync_backwards):
             x = make_input(kind, gen, channels_last)
             if micro < accumulate - 1:
                 with model.no_sync():
@@ -129,6 +141,7 @@ def run_case(
     max_norm: float | None = None,
     exact_clip: bool = True,
     accumulate: int = 1,
+    sync_backwards: int = 1,
     channels_last: bool = False,
     **build_args,
 ) -> dict:
@@ -146,6 +159,7 @@ def run_case(
         exact_clip=exact_clip,
         channels_last=channels_last,
         accumulate=accumulate,
+        sync_backwards=sync_backwards,
     )
     return {"params": params_of(model), "norms": norms}
 

@@ -1,6 +1,8 @@
-"""Acceptance: fastpar's ShardedOptimizer (ZeRO-1) gives the parameters of torch's DDP with the unsharded
-optimizer after 20 steps -- bit for bit, gradient clipping included -- on spawned gloo ranks (world sizes 2
-and 3, inputs differing per rank), and the same parameters on every rank.
+"""Acceptance: fastpar's ShardedOptimizer, ZeRO-1 and ZeRO-2 (``shard_gradients=True``, the ``zero2_`` cases),
+gives the parameters of torch's DDP with the unsharded optimizer after 20 steps -- bit for bit, gradient
+clipping, ``no_sync`` accumulation, several synchronised backwards per step and unused parameters included --
+on spawned ranks (world sizes 2 and 3, gloo and the fastpar backend; torch's DDP always on gloo; inputs
+differing per rank), and the same parameters on every rank.
 
 Two options trade the bits for speed; their difference is bounded here and the reason stated:
 
@@ -48,6 +50,13 @@ EXACT = {
     ),
     "mlp_adamw_static_graph": ("mlp", "adamw", {"ddp_args": {"static_graph": True}}, "torch"),
     "mlp_adamw_no_sync_accumulation": ("mlp", "adamw", {"accumulate": 2}, "torch"),
+    "mlp_adamw_two_synchronised_backwards": ("mlp", "adamw", {"sync_backwards": 2}, "torch"),
+    "resnet_sgd_no_sync_then_two_backwards_clip": (
+        "resnet",
+        "sgd",
+        {"ddp_args": {"bucket_cap_mb": 0.004}, "accumulate": 2, "sync_backwards": 2, "max_norm": 0.5},
+        "torch",
+    ),
     "mlp_sgd_no_overlap": ("mlp", "sgd", {"overlap": False}, "torch"),
     "mlp_adamw_bf16_grads": ("mlp", "adamw", {"grad_dtype": torch.bfloat16}, "fastpar"),
     "cnn_sgd_bf16_grads_clip": ("cnn", "sgd", {"grad_dtype": torch.bfloat16, "max_norm": 0.05}, "fastpar"),
@@ -56,9 +65,36 @@ FUSED_CLIP = {"mlp_sgd_clip_fused": ("mlp", "sgd", {"max_norm": 0.05, "exact_cli
 COLLECTIVE = {"mlp_adamw_collective": ("mlp", "adamw", {"exchange": "collective"}, "torch")}
 # a parameter no rank used has no gradient and is not stepped, as torch's optimizer skips it
 EXACT["never_used_sgd_find_unused"] = ("never_used", "sgd", {"ddp_args": {"find_unused_parameters": True}}, "torch")
+EXACT["never_used_adamw_find_unused_two_backwards"] = (
+    "never_used",
+    "adamw",
+    {"ddp_args": {"find_unused_parameters": True}, "sync_backwards": 2},
+    "torch",
+)
+# ZeRO-2: every exact case again with the gradients sharded (small buckets: several share the pool's buffers)
+EXACT.update(
+    {
+        f"zero2_{name}": (kind, opt, {**args, "shard_gradients": True}, ref)
+        for name, (kind, opt, args, ref) in EXACT.items()
+    }
+)
+COLLECTIVE["zero2_mlp_adamw_collective"] = (
+    "mlp",
+    "adamw",
+    {"exchange": "collective", "shard_gradients": True},
+    "torch",
+)
 CASES = {**EXACT, **FUSED_CLIP, **COLLECTIVE}
 # the default suite's exact cases (the rest are marked slow and run with --full)
-FAST_EXACT = ("mlp_adamw", "cnn_sgd", "tied_adamw", "mlp_sgd_clip", "mlp_adamw_no_sync_accumulation")
+FAST_EXACT = (
+    "mlp_adamw",
+    "cnn_sgd",
+    "tied_adamw",
+    "mlp_sgd_clip",
+    "mlp_adamw_no_sync_accumulation",
+    "zero2_mlp_adamw",
+    "zero2_resnet_sgd_no_sync_then_two_backwards_clip",
+)
 SGD_CLIP_ATOL, NORM_RTOL = 1e-6, 1e-6  # measured here: 1.5e-8 and one ulp (6e-8 rel)
 COLLECTIVE_ATOL = 1e-6
 
@@ -67,21 +103,27 @@ def _rank(rank: int, world_size: int, names: tuple[str, ...] = ()) -> dict:
     import sys
     import warnings
 
+    import torch.distributed as dist
+
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from zero_training import run_case
 
     warnings.filterwarnings("ignore")
+    torch_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None  # the stock engine
     references: dict = {}
     outcome = {}
     for name, (kind, opt, args, reference_impl) in CASES.items():
         if names and name not in names:
             continue
-        build_args = {k: v for k, v in args.items() if k not in ("exchange", "overlap", "exact_clip")}
+        build_args = {
+            k: v for k, v in args.items() if k not in ("exchange", "overlap", "exact_clip", "shard_gradients")
+        }
         if reference_impl == "torch":
             build_args.pop("grad_dtype", None)
         key = (reference_impl, kind, opt, repr(sorted(build_args.items())))
         if key not in references:
-            references[key] = run_case(rank, reference_impl, kind, opt, **build_args)
+            group = {"torch_group": torch_group} if reference_impl == "torch" else {}
+            references[key] = run_case(rank, reference_impl, kind, opt, **build_args, **group)
         ref = references[key]
         try:
             got = run_case(rank, "zero", kind, opt, **args)
@@ -109,9 +151,19 @@ def _no_error(results: list[dict], case: str) -> None:
         assert "error" not in outcome[case], f"rank {rank}: {outcome[case].get('error')}"
 
 
-@pytest.fixture(scope="module", params=[2, pytest.param(3, marks=pytest.mark.slow)], ids=["2ranks", "3ranks"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        (2, "gloo"),
+        pytest.param((3, "gloo"), marks=pytest.mark.slow),
+        pytest.param((2, "fastpar"), marks=pytest.mark.slow),
+        pytest.param((3, "fastpar"), marks=pytest.mark.slow),
+    ],
+    ids=["2ranks", "3ranks", "2ranks_fastpar", "3ranks_fastpar"],
+)
 def ranks(request):
-    return request.param, spawn(_rank, request.param, selected_params(request, "case"), timeout=900)
+    world_size, backend = request.param
+    return world_size, spawn(_rank, world_size, selected_params(request, "case"), backend=backend, timeout=1800)
 
 
 @pytest.mark.parametrize("case", [c if c in FAST_EXACT else pytest.param(c, marks=pytest.mark.slow) for c in EXACT])

@@ -1,0 +1,60 @@
+"""What a :class:`~fastpar.ShardedOptimizer` holds on this rank, measured from the tensors themselves.
+
+Each tensor is counted by its storage (``untyped_storage().nbytes()``), each storage once: a parameter that
+views its bucket's ``param_flat`` counts the flat buffer, once for all of them; the gradient shard that
+views stage 1's gradient bucket is the bucket. A storage goes to the first category that holds it, in the
+order parameters, gradients, optimizer state. Nothing is computed from formulas, so the report says what
+an allocator would see (before fragmentation and the caching allocator's reserve).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .optimizer import ShardedOptimizer
+
+__all__ = ["MEMORY_KEYS", "measure_memory"]
+
+MEMORY_KEYS = ("parameters", "gradients", "optimizer_state", "gradient_pool", "total")
+
+
+def measure_memory(optimizer: ShardedOptimizer) -> dict[str, int]:
+    """``{key: bytes}`` for :data:`MEMORY_KEYS` (see :meth:`ShardedOptimizer.memory_report`)."""
+    seen: set[tuple[str, int]] = set()
+
+    def count(tensors: Iterable[torch.Tensor | None]) -> int:
+        total = 0
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            key = (str(t.device), storage.data_ptr())
+            if storage.nbytes() == 0 or key in seen:
+                continue
+            seen.add(key)
+            total += storage.nbytes()
+        return total
+
+    collective, sharded = optimizer._collective, optimizer._sharded
+    params = list(optimizer.model.module.parameters())
+    report = {"parameters": count([*params, *(zb.param_flat for zb in sharded)])}
+    pool = getattr(collective, "pool", None)
+    pool_bytes = count(pool.tensors()) if pool is not None else 0
+    grads: list[torch.Tensor | None] = []
+    if optimizer.stage == 2:
+        grads += collective.gradient_tensors()
+    else:
+        for zb in sharded:
+            grads += [zb.bucket.grad_flat, zb.bucket.comm_flat, zb.scratch]
+    grads += [p.grad for p in params] + [zb.shard_param.grad for zb in sharded]
+    report["gradients"] = pool_bytes + count(grads)
+    report["optimizer_state"] = count(
+        v for inner in optimizer._inner for state in inner.state.values() for v in state.values() if torch.is_tensor(v)
+    )
+    report["gradient_pool"] = pool_bytes
+    report["total"] = report["parameters"] + report["gradients"] + report["optimizer_state"]
+    return report

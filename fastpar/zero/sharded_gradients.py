@@ -1,0 +1,231 @@
+"""ZeRO-2: ZeRO-1's exchanges, with each bucket's reduced gradient kept only as this rank's shard.
+
+What lives where, per rank:
+
+- ``zb.grad_shard`` (persistent, 1/N of the bucket): the reduced gradient this rank's optimizer steps.
+- ``bucket.comm_flat`` (full size): lent by the pool (gradient_pool.py) from just before the bucket is
+  staged until its reduce-scatter is complete and the shard copied out. The next bucket to launch is
+  lent one when the previous one launches (the first at the start of backward); when the pool has none
+  free, the oldest bucket in flight is completed first (wait, sum, copy out) -- so at most the pool's
+  capacity of buckets is in flight, and backward waits only when the network falls that far behind.
+- ``p.grad``: autograd writes a fresh gradient; the reducer copies it into ``comm_flat`` (times 1/N) when
+  the bucket launches, and the gradient is dropped then (set to None), so the full-size gradients of
+  launched buckets are gone before backward ends. After a synchronised backward every reduced parameter's
+  ``.grad`` is None (as at stage 1). Under ``no_sync`` ``.grad`` accumulates locally, full size, as in DDP.
+
+Gradients cannot be bucket views at stage 2 (that is a full-size buffer per bucket), so the reducer never
+copies a gradient on arrival: a bucket has no buffer until it is the next to launch.
+
+Another synchronised backward before ``zero_grad`` adds onto the reduced gradient, as autograd adds onto
+DDP's ``.grad``: the shards are gathered back into temporary full-size buffers (one per bucket, the model's
+gradient size in all) which ``.grad`` views while that backward runs; each is released when its bucket
+launches. That is the memory DDP semantics need -- every rank adds its gradient to the whole reduced one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..ddp.waiting import BucketWaiter
+from ..ddp.errors import StuckBucketDiagnoser, pg_timeout_seconds
+from .collectives import ZeroCollective
+from .gradient_pool import BufferPool
+from .layout import ShardedBucket, build_sharded_buckets
+
+__all__ = ["ShardedGradientCollective"]
+
+
+class ShardedGradientCollective(ZeroCollective):
+    """ZeRO-2's :class:`~fastpar.ddp.bucket_collective.BucketCollective`: reduce-scatter from pooled buffers into
+    persistent gradient shards."""
+
+    description = "a ShardedOptimizer with shard_gradients=True (ZeRO-2: it reduce-scatters the gradients)"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pool: BufferPool | None = None
+        self.in_flight: deque[ShardedBucket] = deque()  # launched, shard not yet copied out; in launch order
+        self._works: dict[int, object] = {}  # bucket index -> the exchange's handle
+        timeout = pg_timeout_seconds(self.group, self.reducer.device)
+        early = StuckBucketDiagnoser(self.group, self.diagnosis_key, self.operation)
+        self._early_waiter = BucketWaiter(self.reducer.device, timeout, early.diagnose)
+        self._accumulating = False  # .grad views temporary full-size buffers (another backward adds onto them)
+
+    # ---- the reducer's interface (BucketCollective) --------------------------------------------
+    def build_buckets(self, layout: Sequence[Sequence[int]]) -> list:
+        reducer = self.reducer
+        self.sharded = build_sharded_buckets(
+            reducer.slots, layout, self.group_of_slot, reducer.grad_dtype, self.rank, self.world_size, True
+        )
+        self.pool = BufferPool(self.sharded, self.world_size, with_scratch=self.exchange == "p2p")
+        # a gradient staged on arrival needs its bucket's buffer before the bucket is next to launch
+        reducer.set_copy_on_arrival(None)
+        return [zb.bucket for zb in self.sharded]
+
+    def start(self, bucket) -> object:
+        """Reduce-scatter the bucket's pooled ``comm_flat``; drop the gradients it was staged from; lend the next
+        bucket its buffer."""
+        zb = self.sharded[bucket.index]
+        for slot in bucket.slots:
+            slot.param.grad = None  # staged: the bucket's buffer holds it now
+            slot.grad_view = None
+        bucket.grad_flat = None  # the temporary buffer of an accumulating backward, now staged
+        work = self._works[zb.index] = _WaitOnce(self._reduce_scatter(zb))
+        self.in_flight.append(zb)
+        if zb.index + 1 < len(self.sharded):
+            self._lend(self.sharded[zb.index + 1])
+        return work
+
+    @torch.no_grad()
+    def finish(self, bucket, result, globally_unused) -> None:
+        """The shard is (or is now) in ``grad_shard``; it becomes the shard parameter's gradient. A parameter no rank
+        used keeps the gradient it had (the reducer saved it in ``slot.saved`` before staging)."""
+        zb = self.sharded[bucket.index]
+        if zb.buffer is not None:
+            self._complete(zb)
+        for slot in bucket.slots:
+            if slot.index not in globally_unused:
+                self.with_grad.add(slot.index)
+            elif slot.saved is not None:
+                a, b = max(slot.offset, zb.start), min(slot.offset + slot.numel, zb.end)
+                if a < b:
+                    zb.grad_shard.narrow(0, a - zb.start, b - a).copy_(slot.saved.narrow(0, a - slot.offset, b - a))
+        zb.shard_param.grad = zb.grad_shard
+        zb.unused = [slot.index for slot in bucket.slots if slot.index not in self.with_grad]
+        for slot in bucket.slots:
+            slot.param.grad = None
+        self.holding = True
+
+    @torch.no_grad()
+    def before_accumulate(self) -> None:
+        """At the start of a synchronised backward: lend the first bucket its buffer. Before a backward adds onto
+        reduced gradients: gather them back into temporary full-size buffers that ``.grad`` views."""
+        if self.holding:
+            self.holding = False
+            self._gather_reduced()
+        if self.reducer.expect_hooks and self.sharded:  # a synchronised backward starts
+            self._reclaim()
+            self._lend(self.sharded[0])
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        super().zero_grad(set_to_none)
+        self._drop_accumulation_buffers()
+
+    # ---- lending and reclaiming the pool's buffers ----------------------------------------------
+    def _lend(self, zb: ShardedBucket) -> None:
+        if zb.buffer is not None:
+            return
+        buffer = self.pool.take(zb.comm_dtype)
+        while buffer is None and self.in_flight:
+            self._complete(self.in_flight[0])
+            buffer = self.pool.take(zb.comm_dtype)
+        if buffer is None:  # every buffer of this dtype is lent to a bucket not yet launched (cannot happen in order)
+            buffer = self.pool.take(zb.comm_dtype, grow=True)
+        zb.buffer = buffer
+        comm = buffer.comm.narrow(0, 0, zb.bucket.numel)
+        zb.bucket.comm_flat = comm
+        for slot in zb.slots:
+            slot.comm_view = slot.layout_view(comm)
+        if buffer.scratch is not None:
+            zb.scratch = buffer.scratch.narrow(0, 0, (self.world_size - 1) * zb.shard_numel)
+
+    @torch.no_grad()
+    def _complete(self, zb: ShardedBucket) -> None:
+        """Wait for ``zb``'s reduce-scatter, copy this rank's reduced shard out, give the buffer back."""
+        work = self._works.pop(zb.index, None)
+        if work is not None:
+            self._early_waiter.wait(self.reducer.step + 1, zb.index, zb.bucket.names, work)
+            comm = zb.bucket.comm_flat
+            self._sum_received(zb, comm)
+            zb.grad_shard.copy_(zb.region(comm, self.rank))  # widens a bf16 exchange exactly
+        if zb in self.in_flight:
+            self.in_flight.remove(zb)
+        self._give_back(zb)
+
+    def _give_back(self, zb: ShardedBucket) -> None:
+        buffer, zb.buffer = zb.buffer, None
+        if buffer is not None:
+            self.pool.give_back(zb.comm_dtype, buffer)
+        zb.bucket.comm_flat = zb.placeholder
+        zb.scratch = None
+        for slot in zb.slots:
+            slot.comm_view = None
+
+    def _reclaim(self) -> None:
+        """Buffers still lent when a backward starts (an earlier backward ended in an error): wait for what was
+        launched, then take everything back."""
+        for zb in self.sharded:
+            if zb.index in self._works:
+                work = self._works.pop(zb.index)
+                try:
+                    work.wait()
+                except Exception:  # the error that ended that backward was reported already
+                    pass
+            self._give_back(zb)
+        self.in_flight.clear()
+
+    # ---- accumulating onto reduced gradients ----------------------------------------------------
+    def _gather_reduced(self) -> None:
+        """Every rank's reduced shards into a temporary full-size buffer per bucket; ``.grad`` of each parameter
+        that has a gradient views it (a gradient that arrived first is added: autograd's ``grad += new``)."""
+        self.wait_all()  # the parameters' gathers use the same tags
+        for zb in self.sharded:
+            flat = torch.empty(zb.bucket.numel, dtype=zb.bucket.dtype, device=zb.param_flat.device)
+            zb.region(flat, self.rank).copy_(zb.grad_shard)
+            zb.bucket.grad_flat = flat
+            self._gather(zb, flat)
+        for zb in self.sharded:
+            work, zb.gather = zb.gather, None
+            self._grad_gather_waiter.wait(self.reducer.step, zb.index, zb.bucket.names, work)
+            for slot in zb.slots:
+                slot.grad_view = slot.layout_view(zb.bucket.grad_flat)
+                if slot.index not in self.with_grad:
+                    continue
+                grad = slot.param.grad
+                if grad is not None:  # arrived before the others: add it
+                    slot.grad_view.add_(grad)
+                slot.param.grad = slot.grad_view
+        self._accumulating = True
+
+    def _drop_accumulation_buffers(self) -> None:
+        if not self._accumulating:
+            return
+        self._accumulating = False
+        for zb in self.sharded:
+            zb.bucket.grad_flat = None
+            for slot in zb.slots:
+                if slot.param.grad is slot.grad_view:
+                    slot.param.grad = None
+                slot.grad_view = None
+
+    # ---- memory ---------------------------------------------------------------------------------
+    def gradient_tensors(self) -> Iterable[torch.Tensor]:
+        """Every tensor holding gradient memory of this rank: shards, pooled buffers, temporary accumulation
+        buffers (the parameters' own ``.grad`` are counted by the caller)."""
+        for zb in self.sharded:
+            yield zb.grad_shard
+            if zb.bucket.grad_flat is not None:
+                yield zb.bucket.grad_flat
+        yield from self.pool.tensors()
+
+
+class _WaitOnce:
+    """A bucket's exchange, waited for by whoever comes first: the collective completing the bucket early to free
+    its buffer, or the reducer at the end of backward. (A gloo point-to-point ``Work`` waited for a second time
+    never returns.)"""
+
+    def __init__(self, work) -> None:
+        self.work = work
+        self.done = False
+
+    def wait(self, timeout=None) -> bool:
+        if not self.done:
+            self.work.wait() if timeout is None else self.work.wait(timeout)
+            self.done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()  # not ``done``: on NCCL a wait only orders the stream, the deadline watch asks
