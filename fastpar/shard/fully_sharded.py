@@ -1,0 +1,181 @@
+"""Fully sharded (ZeRO-3) training: a model turned into FSDP2 units with fastpar's policies.
+
+The sharding itself is torch's ``fully_shard`` (``torch.distributed.fsdp``): each parameter becomes a
+DTensor holding this rank's rows; a unit all-gathers its parameters before its forward and backward and
+reduce-scatters its gradients after its backward, on any process group backend (gloo, the fastpar backend,
+NCCL). fastpar decides what torch leaves to the caller: which modules are units (:mod:`.wrap_policy`), the
+precision (:mod:`.precision`), building on the meta device so no rank holds the full model
+(:mod:`.meta_init`), resharding and prefetching, and reports the bytes a rank holds.
+
+The optimizer is a plain torch optimizer over ``model.parameters()`` (DTensors): each rank steps its shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .meta_init import InitFn, build_on_meta, materialize_shards
+from .precision import PrecisionSpec, precision_policy
+from .wrap_policy import WrapPolicy, select_units
+
+ModelOrBuilder = nn.Module | Callable[[], nn.Module]
+
+
+def fully_shard_model(
+    model_or_builder: ModelOrBuilder,
+    *,
+    group: dist.ProcessGroup | None = None,
+    wrap: WrapPolicy = "auto",
+    mixed_precision: PrecisionSpec = None,
+    reshard_after_forward: bool | int = True,
+    device: torch.device | str | None = None,
+    seed: int = 0,
+    init_fn: InitFn | None = None,
+    prefetch: int = 0,
+) -> nn.Module:
+    """Shard a model over ``group`` with FSDP2 and return it (the same module object, now an ``FSDPModule``).
+
+    - ``model_or_builder``: a callable building the model is called under ``torch.device("meta")`` after
+      ``torch.manual_seed(seed)``; only this rank's shards are then materialised on ``device``, with the
+      values the full model built eagerly from ``seed`` would hold (see :mod:`fastpar.shard.meta_init`).
+      A module already built is sharded in place (``seed`` is unused; ``init_fn``, if given, is applied
+      with ``model.apply`` before sharding).
+    - ``group``: the process group to shard over (default: the world).
+    - ``wrap``: which modules become units (:func:`~fastpar.shard.select_units`): ``"auto"`` (repeated
+      blocks), block classes or class names, a minimum parameter count, ``"root"``, or a callable.
+    - ``mixed_precision``: ``None``, ``"bf16"``, ``"fp16"`` (GPUs) or a ``MixedPrecisionPolicy``; its
+      ``output_dtype`` applies to the root (the model's output), the units pass activations on in the
+      compute dtype.
+    - ``reshard_after_forward``: free each unit's gathered parameters after its forward (``True``: least
+      memory, one more all-gather per unit in backward), keep them (``False``: ZeRO-2-like memory, fewer
+      collectives), or an ``int``: reshard to groups of that many ranks (a divisor of the group size).
+      The root unit is never resharded after forward when this is ``True`` (backward starts with it).
+    - ``device``: where the shards live; default: the model's device, else the current CUDA device on
+      NCCL, else the CPU.
+    - ``init_fn``: ``init_fn(module)`` for every module after ``reset_parameters()``, as ``model.apply`` calls it.
+    - ``prefetch``: all-gather the next ``prefetch`` units explicitly while one unit computes, forward and
+      backward, in the units' registration order (0: torch's implicit backward prefetch only).
+
+    Raises ``ValueError`` (:class:`~fastpar.shard.WrapError` for the units) before anything is sharded when
+    the model, the units or the precision can't work, saying what to change.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard_model needs a process group: call torch.distributed.init_process_group first "
+            '("fastpar" or "gloo" for CPU ranks, "nccl" for GPUs), or use fastpar.Trainer'
+        )
+    group = group if group is not None else dist.group.WORLD
+    _check_reshard(reshard_after_forward, dist.get_world_size(group))
+    if not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch={prefetch!r}: give the number of units to all-gather ahead (0 or more)")
+
+    on_meta = not isinstance(model_or_builder, nn.Module)
+    if on_meta:
+        if not callable(model_or_builder):
+            raise TypeError(
+                f"fully_shard_model takes a torch.nn.Module or a callable that builds one, "
+                f"got {type(model_or_builder).__name__}"
+            )
+        device = _resolve_device(device, None, group)
+        policy = precision_policy(mixed_precision, device)  # checked before building anything
+        torch.manual_seed(seed)
+        model = build_on_meta(model_or_builder)
+    else:
+        model = model_or_builder
+        if any(t.is_meta for t in model.parameters()):
+            raise ValueError(
+                "the model's parameters are on the meta device: pass the function that builds it instead, and "
+                "fully_shard_model materialises this rank's shards"
+            )
+        device = _resolve_device(device, model, group)
+        policy = precision_policy(mixed_precision, device)
+    units = select_units(model, wrap)
+    if not on_meta and init_fn is not None:
+        model.apply(init_fn)
+
+    mesh = _mesh(group, device)
+    inner = [model.get_submodule(name) for name in units[:-1]]
+    # The output dtype applies where the model's output leaves: between units activations stay in the compute
+    # dtype (a unit whose output were cast back would hand the next unit inputs its parameters don't match).
+    unit_policy = dataclasses.replace(policy, output_dtype=None)
+    for unit in inner:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=unit_policy)
+    # torch's default for the root (None) keeps it gathered after forward: backward needs it first.
+    root_reshard = None if reshard_after_forward is True else reshard_after_forward
+    fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policy)
+    if on_meta:
+        materialize_shards(model, device, init_fn=init_fn, group=group)
+    if prefetch:
+        _set_prefetch(inner, prefetch)
+    return model
+
+
+def _check_reshard(reshard_after_forward: bool | int, world: int) -> None:
+    if isinstance(reshard_after_forward, bool):
+        return
+    if not isinstance(reshard_after_forward, int) or reshard_after_forward < 1 or world % reshard_after_forward:
+        raise ValueError(
+            f"reshard_after_forward={reshard_after_forward!r}: give True, False, or a number of ranks that divides "
+            f"the group's {world}"
+        )
+
+
+def fsdp_memory_report(model: nn.Module) -> dict[str, int]:
+    """This rank's bytes of the fully sharded model's ``"parameters"`` (its shards, FSDP2's padding included)
+    and ``"gradients"`` (the shards of ``.grad`` after a backward, 0 after ``zero_grad()``), counted from the
+    local tensors' storages (a storage shared by several tensors counts once)."""
+    return {
+        "parameters": _storage_bytes(p for p in model.parameters()),
+        "gradients": _storage_bytes(p.grad for p in model.parameters() if p.grad is not None),
+    }
+
+
+def _storage_bytes(tensors) -> int:
+    from torch.distributed.tensor import DTensor
+
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    for t in tensors:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        storage = local.untyped_storage()
+        key = (str(local.device), storage.data_ptr())
+        if storage.nbytes() and key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _resolve_device(device, model: nn.Module | None, group) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if model is not None:
+        first = next(model.parameters(), None)
+        if first is not None and first.device.type != "cpu":
+            return first.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _mesh(group, device: torch.device):
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device.type)
+
+
+def _set_prefetch(units: list[nn.Module], depth: int) -> None:
+    """Explicit prefetch: unit i gathers units i+1..i+depth in forward, and i-1..i-depth in backward."""
+    for i, unit in enumerate(units):
+        ahead = units[i + 1 : i + 1 + depth]
+        if ahead:
+            unit.set_modules_to_forward_prefetch(ahead)
+        behind = list(reversed(units[max(0, i - depth) : i]))
+        if behind:
+            unit.set_modules_to_backward_prefetch(behind)

@@ -1,0 +1,90 @@
+"""Building on the meta device: the materialised shards hold exactly the values of the model built eagerly with
+the same seed and then sharded (torch.equal on every gathered parameter and buffer, and the RNG state after),
+with reset_parameters(), an init_fn and buffers; the full model is never alive on a rank (peak bytes measured
+against the eager path, which must exceed them); and a tensor nothing initialises is refused on every rank."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+from fastpar.launcher import spawn
+
+WIDTH, DEPTH = 256, 8
+
+
+class WithBuffers(nn.Module):
+    """Embedding, repeated blocks with BatchNorm (floating and integer buffers), an untied head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 16)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)) for _ in range(3)))
+        self.head = nn.Linear(16, 7)
+
+    def forward(self, tokens):
+        return self.head(self.blocks(self.embed(tokens)))
+
+
+class ComputedBuffer(nn.Module):
+    """A buffer filled in __init__ (as rotary tables are): building on meta cannot replay it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("table", torch.arange(8.0), persistent=False)
+
+    def forward(self, x):
+        return self.proj(x) + self.table
+
+
+def _meta_rank(rank: int, world: int) -> dict:
+    import fsdp_training as ft
+
+    from fastpar.shard import build_eager, fully_shard_model
+
+    out = {}
+    # values: meta-built == eager-built, with reset_parameters, init_fn and buffers; the RNG ends where it would
+    for init_fn in (None, ft.gpt_style_init):
+        meta = fully_shard_model(WithBuffers, wrap="auto", seed=3, init_fn=init_fn)
+        meta_rng = torch.get_rng_state()
+        eager = fully_shard_model(build_eager(WithBuffers, seed=3, init_fn=init_fn), wrap="auto")
+        eager_rng = torch.get_rng_state()
+        out[f"params/{init_fn is not None}"] = ft.differing(ft.full_parameters(meta), ft.full_parameters(eager))
+        out[f"buffers/{init_fn is not None}"] = ft.differing(dict(meta.named_buffers()), dict(eager.named_buffers()))
+        out[f"rng/{init_fn is not None}"] = torch.equal(meta_rng, eager_rng)
+    # memory: the meta path never holds the model; the eager path does (so the measurement can see it)
+    build = functools.partial(ft.mlp_stack, WIDTH, DEPTH)
+    with ft.LiveBytes() as on_meta:
+        fully_shard_model(build, wrap="auto")
+    with ft.LiveBytes() as eagerly:
+        fully_shard_model(build_eager(build), wrap="auto")
+    out["peak_meta"], out["peak_eager"] = on_meta.peak, eagerly.peak
+    # a buffer no initialiser sets: refused on every rank (none waits in a collective for the others)
+    try:
+        fully_shard_model(ComputedBuffer, wrap="root")
+        out["refused"] = ""
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+@pytest.mark.slow
+def test_meta_building_equals_eager_building_and_never_holds_the_model():
+    model_bytes = DEPTH * (WIDTH * WIDTH + WIDTH) * 4
+    largest_module = (WIDTH * WIDTH + WIDTH) * 4
+    world = 2
+    for rank, r in enumerate(spawn(_meta_rank, world, backend="gloo", timeout=300)):
+        for key in ("params/False", "params/True", "buffers/False", "buffers/True"):
+            assert r[key] == [], f"rank {rank} {key}: meta-built differs from eager-built: {r[key]}"
+        assert r["rng/False"] and r["rng/True"], (
+            f"rank {rank}: the global RNG ends elsewhere than after the eager build"
+        )
+        assert r["peak_eager"] >= model_bytes, f"rank {rank}: the measurement missed the eager model: {r}"
+        # this rank's shards + one module's parameters in full (the scratch), + 4 KiB for small temporaries
+        bound = model_bytes // world + largest_module + 4096
+        assert r["peak_meta"] <= bound, f"rank {rank}: {r['peak_meta']} bytes alive at once, over {bound}: {r}"
+        assert "table" in r["refused"] and "init_fn" in r["refused"], f"rank {rank}: {r['refused']!r}"
