@@ -21,6 +21,10 @@ COMMANDS = {
     "info": ("fastpar.info", "versions of torch/CUDA/NCCL/DALI and which kernel backend is live"),
     "topo": ("fastpar.topology.cli", "GPU/NVLink/PCIe/NUMA/NIC topology, best-k GPU selection, NCCL settings"),
     "bench": ("fastpar.cli:bench_main", "microbenchmarks: collectives, fusion, pack kernels, DDP step, data loaders"),
+    "plan": (
+        "fastpar.costmodel.plan_cli",
+        "memory planner: per-device bytes and step time of DDP, ZeRO, FSDP2, pipeline",
+    ),
     "demo": ("fastpar.train.demo", "generate a small image set and train a CNN on it with the Trainer"),
     "jobs": ("fastpar.jobs.cli", "background and batch jobs: list, status, logs, result, cancel"),
 }

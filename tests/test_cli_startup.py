@@ -53,6 +53,7 @@ def import_seconds(importtime_lines: list[str]) -> tuple[float, list[tuple[float
         ["topo", "--from", str(TOPO)],
         ["info", "--no-probe"],
         ["info", "--no-probe", "--json"],
+        ["plan", "--help"],
     ],
     ids=" ".join,
 )

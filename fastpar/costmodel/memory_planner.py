@@ -1,0 +1,420 @@
+"""The memory planner: per-device bytes and predicted step time of DDP, ZeRO-1, ZeRO-2, FSDP2 and pipeline
+stages for one model, and the fastest strategy that fits.
+
+::
+
+    from fastpar.costmodel.memory_planner import plan
+    from fastpar.costmodel.model_spec import ModelSpec
+
+    p = plan(ModelSpec.transformer(layers=8, hidden=512, vocab=8000, seq_len=256),
+             devices=2, device_memory="2GB", batch_size=4, seq_len=256)
+    print(p.table())
+    p.choice, p.choice_options      # "zero2", {} -- what TrainingOptions(sharding="auto") runs
+
+Model state (parameters, gradients, optimizer state) is counted from the model's parameter shapes and each
+engine's layout (strategy_memory.py). Activations are measured (model_probe.py) and scaled. Step time is the
+measured compute plus each strategy's collectives from a calibrated profile or a fabric (strategy_time.py).
+A strategy fits when its total is at most ``device_memory * (1 - headroom)``; the headroom (10% by default)
+stands for what no estimate here counts: the allocator's fragmentation, the CUDA context, kernels' workspaces
+and transient tensors such as the loss's gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..user_errors import UserError
+from .model_probe import ProbeResult, probe
+from .model_spec import Layer, ModelSpec
+from .pipeline_split import pipeline_options, stage_internals
+from .planner_comm import comm_model
+from .strategy_memory import OPTIMIZER_STATE, DtypeSizes, MemoryBreakdown, bucket_numels, strategy_memory
+from .strategy_time import optimizer_seconds_per_element, strategy_step_seconds
+
+__all__ = ["STRATEGIES", "Plan", "StrategyEstimate", "parse_bytes", "plan", "plan_for_module"]
+
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "pipeline")
+DTYPES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+DEFAULT_HEADROOM = 0.10
+TIE = 0.03  # step predictions this close are not told apart (the step time model's own spread is wider)
+_MB = 1 << 20
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "k": 1 << 10, "m": _MB, "g": 1 << 30})
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"80GB"`` (10^9), ``"80GiB"`` / ``"80G"`` (2^30), ``"512MiB"``, or a plain number of bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise UserError(f"cannot read {text!r} as a memory size; write e.g. 80GB, 80GiB, 512MiB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", _MB), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class StrategyEstimate:
+    strategy: str
+    options: dict[str, Any]
+    memory: MemoryBreakdown
+    step_s: float
+    fits: bool
+
+    @property
+    def label(self) -> str:
+        if self.strategy == "fsdp":
+            return "fsdp " + ("reshard" if self.options.get("reshard_after_forward", True) else "keep")
+        if self.strategy == "pipeline":
+            o = self.options
+            return f"pipeline {o['stages']}x{o['schedule']} m{o['microbatches']}"
+        return self.strategy
+
+
+@dataclass
+class Plan:
+    """What :func:`plan` found. ``choice``: the fastest strategy that fits (None when none does; ``advice`` then
+    says what would, ``suggestions`` the same as ``{"devices": n, "batch_size": b, "param_dtype": "bf16"}``);
+    ``choice_options``: its options (``{"reshard_after_forward": ...}`` for fsdp,
+    ``{"stages", "schedule", "microbatches", "split"}`` for pipeline, ``{}`` otherwise)."""
+
+    model: str
+    devices: int
+    device_memory: int
+    usable_memory: int
+    batch_size: int
+    seq_len: int | None
+    param_dtype: str
+    optimizer: str
+    estimates: list[StrategyEstimate]
+    choice: str | None
+    choice_options: dict[str, Any]
+    advice: str
+    measurement: str
+    comm: str
+    suggestions: dict[str, Any] = field(default_factory=dict)  # when nothing fits: one change that would, each
+    notes: list[str] = field(default_factory=list)
+
+    def best(self, strategy: str) -> StrategyEstimate | None:
+        """The fastest fitting estimate of ``strategy`` (else its smallest)."""
+        rows = [e for e in self.estimates if e.strategy == strategy]
+        if not rows:
+            return None
+        fitting = [e for e in rows if e.fits]
+        return min(fitting, key=lambda e: e.step_s) if fitting else min(rows, key=lambda e: e.memory.total)
+
+    def table(self) -> str:
+        head = (
+            f"{'strategy':<22}{'params':>12}{'grads':>12}{'optim':>12}{'activations':>13}{'buffers':>12}"
+            f"{'total':>12}  {'fits':<5}{'step ms':>9}"
+        )
+        lines = [
+            f"model: {self.model}",
+            f"{self.devices} devices x {_fmt_bytes(self.device_memory)} (usable {_fmt_bytes(self.usable_memory)}), "
+            f"batch {self.batch_size}/device"
+            + (f", seq {self.seq_len}" if self.seq_len else "")
+            + f", {self.param_dtype}, {self.optimizer}",
+            head,
+            "-" * len(head),
+        ]
+        for e in self.estimates:
+            m = e.memory
+            lines.append(
+                f"{e.label:<22}{_fmt_bytes(m.parameters):>12}{_fmt_bytes(m.gradients):>12}"
+                f"{_fmt_bytes(m.optimizer_state):>12}{_fmt_bytes(m.activations):>13}{_fmt_bytes(m.buffers):>12}"
+                f"{_fmt_bytes(m.total):>12}  {'yes' if e.fits else 'NO':<5}{e.step_s * 1e3:>9.1f}"
+            )
+        lines.append("-" * len(head))
+        if self.choice:
+            lines.append(f"pick: {self.choice} {self.choice_options or ''}".rstrip())
+        else:
+            lines.append(f"nothing fits: {self.advice}")
+        lines.append(f"activations and compute: {self.measurement}; communication: {self.comm}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        for row, e in zip(data["estimates"], self.estimates, strict=True):
+            row["label"] = e.label
+            row["memory"]["total"] = e.memory.total
+            row["memory"]["model_state"] = e.memory.model_state
+        return data
+
+
+def _device_memory(device_memory: int | str | None) -> int:
+    if device_memory is not None:
+        return parse_bytes(device_memory)
+    from ..topology.discover import discover
+
+    gpus = [g for g in discover().gpus if g.memory_total_mib]
+    if not gpus:
+        raise UserError("NVML reports no GPU memory here; give the device memory (--device-memory 80GB)")
+    return min(g.memory_total_mib for g in gpus) * _MB
+
+
+def plan(
+    spec: ModelSpec,
+    *,
+    devices: int,
+    device_memory: int | str | None = None,
+    batch_size: int = 8,
+    seq_len: int | None = None,
+    param_dtype: str = "fp32",
+    reduce_dtype: str | None = None,
+    optimizer: str = "adamw",
+    strategies: Sequence[str] = STRATEGIES,
+    stages: Sequence[int] | None = None,
+    schedules: Sequence[str] = ("1f1b", "gpipe"),
+    microbatches: Sequence[int] | None = None,
+    device: str = "cpu",
+    profile: Any = None,
+    fabric: Any = None,
+    headroom: float = DEFAULT_HEADROOM,
+    probe_batch: int = 2,
+    probe_result: ProbeResult | None = None,
+    threads: int | None = None,
+) -> Plan:
+    """Per-device bytes and predicted step time of each strategy for ``spec`` on ``devices`` devices of
+    ``device_memory`` bytes (None: the smallest GPU NVML reports); ``batch_size`` samples per device of
+    ``seq_len`` tokens (default: the spec's). ``device``: where training runs ("cpu" ranks or "cuda");
+    ``profile`` (a path or :class:`Profile`) / ``fabric`` (a preset name or :class:`Fabric`) price the
+    collectives. ``threads``: torch threads while timing compute on CPU (default: the host's cores shared by
+    ``devices`` CPU ranks, as the launcher gives each rank). Returns a :class:`Plan` whose ``choice`` is the
+    fastest strategy that fits."""
+    _check(devices, batch_size, param_dtype, reduce_dtype, optimizer, strategies, headroom)
+    memory = _device_memory(device_memory)
+    usable = int(memory * (1 - headroom))
+    seq_len = seq_len if seq_len is not None else spec.seq_len
+    layers = spec.layers()
+    if not any(layer.numel for layer in layers):
+        raise UserError(f"{spec.describe} has no parameters; nothing to plan")
+    on_gpu = torch.device(device).type == "cuda"
+    probe_device = device if (on_gpu and torch.cuda.is_available()) or not on_gpu else "cpu"
+    with _threads(None if on_gpu else threads or max(1, (os.cpu_count() or 1) // devices)):
+        measured = probe_result or probe(
+            spec, batch_size=min(probe_batch, batch_size), seq_len=seq_len, device=probe_device
+        )
+        opt_s = optimizer_seconds_per_element(optimizer, probe_device)
+    sizes = DtypeSizes(
+        param=DTYPES[param_dtype],
+        reduce=DTYPES[reduce_dtype or param_dtype],
+        activation_scale=(measured.float_share * DTYPES[param_dtype] / 4 + 1 - measured.float_share),
+    )
+    comm, costs, comm_text = comm_model(profile=profile, fabric=fabric, on_gpu=on_gpu)
+    total_bytes = sum(layer.numel for layer in layers) * sizes.param
+    caps = (_MB, 25 * _MB) if on_gpu or devices > 2 else (_MB, max(4 * _MB, -(-total_bytes // 64)))
+    context = _Context(layers, measured, sizes, devices, optimizer, comm, costs, opt_s, caps, on_gpu, seq_len, usable)
+    estimates: list[StrategyEstimate] = []
+    for strategy in strategies:
+        for options in _variants(strategy, context, batch_size, stages, schedules, microbatches):
+            estimates.append(context.estimate(strategy, options, batch_size))
+    best = _pick(estimates)
+    advice, suggestions = ("", {}) if best else _advice(context, estimates, batch_size, strategies)
+    notes = list(measured.notes)
+    if sizes.param == 2:
+        notes.append(
+            "activations of a 16-bit model scaled from the fp32 forward measured (floating-point tensors x 0.5)"
+        )
+    return Plan(
+        model=spec.describe,
+        devices=devices,
+        device_memory=memory,
+        usable_memory=usable,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        param_dtype=param_dtype,
+        optimizer=optimizer,
+        estimates=estimates,
+        choice=best.strategy if best else None,
+        choice_options=dict(best.options) if best else {},
+        advice=advice,
+        suggestions=suggestions,
+        measurement=f"{measured.method}, {min(probe_batch, batch_size)} samples, scaled",
+        comm=comm_text,
+        notes=notes,
+    )
+
+
+@contextlib.contextmanager
+def _threads(count: int | None):
+    before = torch.get_num_threads()
+    if count:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def plan_for_module(module: torch.nn.Module, example_batch: Any, *, loss=None, **kwargs: Any) -> Plan:
+    """:func:`plan` for a built module and a real batch of its input (the Trainer's call): activations and
+    compute are measured on that batch where the module lives; ``batch_size`` defaults to the batch's."""
+    spec = ModelSpec.from_module(module, example_batch, loss=loss)
+    kwargs.setdefault("batch_size", spec.fixed_batch)
+    kwargs.setdefault("probe_batch", spec.fixed_batch)
+    device = next(module.parameters()).device
+    kwargs.setdefault("device", device.type)
+    if kwargs["probe_batch"] != spec.fixed_batch:
+        raise ValueError("plan_for_module measures on the given batch; probe_batch must be its size")
+    return plan(spec, **kwargs)
+
+
+@dataclass
+class _Context:
+    layers: list[Layer]
+    measured: ProbeResult
+    sizes: DtypeSizes
+    devices: int
+    optimizer: str
+    comm: Any
+    costs: Any
+    optimizer_s: float
+    caps: tuple[int, int]
+    on_gpu: bool
+    seq_len: int | None
+    usable: int
+
+    def activations(self, batch: float) -> list[float]:
+        return [b * self.sizes.activation_scale for b in self.measured.activation_bytes(batch, self.seq_len)]
+
+    def transient(self, batch: float, members: Sequence[int] | None = None) -> float:
+        """Bytes that exist only around the start of backward, beyond the saved tensors: the gradient arriving
+        at the largest layer output and the one leaving it (the logits' gradient, and softmax's, in a language
+        model) -- twice the largest output."""
+        outputs = self.measured.output_bytes(batch, self.seq_len)
+        chosen = [outputs[i] for i in members] if members is not None else outputs
+        return 2 * max(chosen, default=0.0) * self.sizes.activation_scale
+
+    def estimate(self, strategy: str, options: dict, batch_size: int, devices: int | None = None) -> StrategyEstimate:
+        n = devices or self.devices
+        full = options | stage_internals(self, options, batch_size) if strategy == "pipeline" else options
+        buckets = bucket_numels(self.layers, self.caps[1], self.caps[0], self.sizes.param)
+        breakdown = strategy_memory(
+            strategy,
+            self.layers,
+            self.activations(batch_size),
+            transient=self.transient(batch_size),
+            devices=n,
+            optimizer=self.optimizer,
+            sizes=self.sizes,
+            buckets=buckets,
+            cpu_exchange=not self.on_gpu,
+            options=full,
+        )
+        forward, backward = self.measured.seconds(batch_size, self.seq_len)
+        step = strategy_step_seconds(
+            strategy,
+            self.layers,
+            forward,
+            backward,
+            devices=n,
+            comm=self.comm,
+            costs=self.costs,
+            optimizer_s_per_element=self.optimizer_s,
+            reduce_itemsize=self.sizes.reduce,
+            param_itemsize=self.sizes.param,
+            caps=self.caps,
+            on_gpu=self.on_gpu,
+            options=full,
+        )
+        return StrategyEstimate(strategy, dict(options), breakdown, step, breakdown.total <= self.usable)
+
+
+def _variants(strategy, context: _Context, batch_size, stages, schedules, microbatches) -> list[dict]:
+    if strategy == "fsdp":
+        return [{"reshard_after_forward": True}, {"reshard_after_forward": False}]
+    if strategy == "pipeline":
+        return pipeline_options(context, batch_size, stages, schedules, microbatches)
+    return [{}]
+
+
+def _pick(estimates: Sequence[StrategyEstimate]) -> StrategyEstimate | None:
+    """The fastest estimate that fits; predictions within :data:`TIE` of it are a tie, which the simpler
+    strategy wins (the order of :data:`STRATEGIES`: fewer collectives, fewer engines, less to go wrong)."""
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        return None
+    fastest = min(e.step_s for e in fitting)
+    tied = [e for e in fitting if e.step_s <= fastest * (1 + TIE)]
+    return min(tied, key=lambda e: (STRATEGIES.index(e.strategy), e.step_s))
+
+
+def _fitting(context: _Context, batch_size: int, strategies: Sequence[str]) -> StrategyEstimate | None:
+    """The fastest estimate that fits in ``context`` at ``batch_size``, or None."""
+    rows = [
+        context.estimate(strategy, options, batch_size)
+        for strategy in strategies
+        for options in _variants(strategy, context, batch_size, None, ("1f1b", "gpipe"), None)
+    ]
+    fitting = [e for e in rows if e.fits]
+    return min(fitting, key=lambda e: e.step_s) if fitting else None
+
+
+def _advice(context: _Context, estimates, batch_size: int, strategies: Sequence[str]) -> tuple[str, dict]:
+    """What would make something fit -- more devices, a smaller batch, 16-bit parameters -- as words and as
+    ``{"devices": n, "batch_size": b, "param_dtype": "bf16"}`` (each one alone, all else as asked)."""
+    found: dict[str, Any] = {}
+    ideas = []
+    for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        if n > context.devices and (e := _fitting(replace(context, devices=n), batch_size, strategies)):
+            found["devices"] = n
+            ideas.append(f"{n} devices ({e.label})")
+            break
+    for b in range(batch_size - 1, 0, -1):
+        if e := _fitting(context, b, strategies):
+            found["batch_size"] = b
+            ideas.append(f"batch size {b} per device ({e.label})")
+            break
+    if context.sizes.param == 4:
+        half = replace(
+            context,
+            sizes=replace(
+                context.sizes,
+                param=2,
+                reduce=min(2, context.sizes.reduce),
+                activation_scale=context.sizes.activation_scale / 2,
+            ),
+        )
+        if e := _fitting(half, batch_size, strategies):
+            found["param_dtype"] = "bf16"
+            ideas.append(f"bf16 parameters ({e.label})")
+    smallest = min(estimates, key=lambda e: e.memory.total)
+    least = f"the smallest is {smallest.label} at {_fmt_bytes(smallest.memory.total)} of {_fmt_bytes(context.usable)} usable"
+    if not ideas:
+        return (
+            f"{least}; nothing tried fits (up to 1024 devices, batch size 1, bf16): the model needs more memory per device",
+            found,
+        )
+    return f"{least}; would fit with " + ", or ".join(ideas), found
+
+
+def _check(devices, batch_size, param_dtype, reduce_dtype, optimizer, strategies, headroom) -> None:
+    if devices < 1:
+        raise UserError(f"devices must be at least 1, got {devices}")
+    if batch_size < 1:
+        raise UserError(f"batch size must be at least 1 sample per device, got {batch_size}")
+    for dtype in (param_dtype, reduce_dtype or param_dtype):
+        if dtype not in DTYPES:
+            raise UserError(f"unknown dtype {dtype!r}; one of fp32, bf16, fp16")
+    if optimizer not in OPTIMIZER_STATE:
+        raise UserError(f"unknown optimizer {optimizer!r}; one of {', '.join(OPTIMIZER_STATE)}")
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise UserError(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+    if not 0 <= headroom < 1:
+        raise UserError(f"headroom is a fraction of device memory in [0, 1), got {headroom}")

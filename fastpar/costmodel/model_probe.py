@@ -1,0 +1,316 @@
+"""What one forward and backward of the model measures: activation bytes per layer and compute time per layer.
+
+Activations are the tensors autograd saves for backward (``torch.autograd.graph.saved_tensors_hooks``),
+counted once per storage (a view and its base, or a tensor saved by two ops, are one allocation), without
+the parameters, buffers and the input batch, and charged to the layer whose forward saved them (tensors
+saved between layers -- a residual sum in the parent, the loss -- go to the layer that ran last). They are
+measured on a small batch and scaled: linearly in the batch, and through ``a*L + b*L^2`` in the sequence
+length when the model has one (two lengths measured; the L^2 part is attention's scores where the kernel
+keeps them).
+
+Compute: forward and backward are timed at two small batch sizes (b and 2b, interleaved, medians after a
+warm-up) and fitted as a fixed cost per step plus a cost per sample, so per-step overheads are not scaled
+with the batch; per layer, the forward is timed by hooks and the backward is split in the forward's proportions. A model
+too large to build on the host is measured on the meta device instead: the saved tensors' shapes are
+exact (attention through torch's math path), and compute comes from a FLOP count
+(``torch.utils.flop_counter``) at a measured matmul rate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from statistics import median
+
+import torch
+from torch import nn
+
+from .model_spec import ModelSpec, model_layers
+
+__all__ = ["ProbeResult", "matmul_flops_per_s", "probe"]
+
+_REPEATS = 3
+
+
+@dataclass
+class ProbeResult:
+    """Per layer (the spec's layer order): activation bytes per sample at ``seq_len`` and seconds per sample."""
+
+    layer_names: list[str]
+    act_linear: list[
+        float
+    ]  # bytes per sample per token (the a of a*L + b*L^2; a total per sample when seq_len is None)
+    act_quadratic: list[float]  # bytes per sample per token^2
+    float_share: float  # share of activation bytes in floating-point tensors (those a dtype change scales)
+    output_linear: list[float]  # bytes per sample per token of each layer's output (what a stage boundary sends)
+    forward_s_per_sample: list[float]
+    backward_s_per_sample: list[float]
+    forward_fixed_s: list[float]  # per step whatever the batch (Python and launch overheads)
+    backward_fixed_s: list[float]
+    seq_len: int | None  # the length the times were measured at
+    method: str  # "measured on cpu" / "meta device + FLOP count"
+    notes: list[str] = field(default_factory=list)
+
+    def activation_bytes(self, batch: float, seq_len: int | None) -> list[float]:
+        """Bytes per layer for ``batch`` samples of ``seq_len`` tokens."""
+        if seq_len is None:
+            return [batch * a for a in self.act_linear]
+        return [
+            batch * (a * seq_len + b * seq_len * seq_len)
+            for a, b in zip(self.act_linear, self.act_quadratic, strict=True)
+        ]
+
+    def output_bytes(self, batch: float, seq_len: int | None) -> list[float]:
+        return [batch * a * (seq_len or 1) for a in self.output_linear]
+
+    def seconds(self, batch: float, seq_len: int | None) -> tuple[list[float], list[float]]:
+        """(forward, backward) seconds per layer for ``batch`` samples: a fixed part plus one linear in tokens."""
+        scale = batch * ((seq_len / self.seq_len) if seq_len and self.seq_len else 1.0)
+        forward = [a + scale * t for a, t in zip(self.forward_fixed_s, self.forward_s_per_sample, strict=True)]
+        backward = [a + scale * t for a, t in zip(self.backward_fixed_s, self.backward_s_per_sample, strict=True)]
+        return forward, backward
+
+
+class _SavedTensorCounter:
+    """Counts saved-tensor storages per layer; knows which layer is running through forward hooks."""
+
+    def __init__(self, module: nn.Module, layers: list[tuple[str, nn.Module | None, bool]], exclude: set[int]):
+        self.bytes = [0.0] * len(layers)
+        self.outputs = [0.0] * len(layers)
+        self.float_bytes = 0.0
+        self.seen = set(exclude)
+        self.current = None
+        self.last = len(layers) - 1 if layers else 0
+        self.handles = []
+        for i, (_, m, _) in enumerate(layers):
+            if m is None:
+                continue
+            self.handles.append(m.register_forward_pre_hook(lambda _m, _a, i=i: self._enter(i)))
+            self.handles.append(m.register_forward_hook(lambda _m, _a, out, i=i: self._leave(i, out)))
+
+    def _enter(self, i: int) -> None:
+        self.current = i
+
+    def _leave(self, i: int, out) -> None:
+        self.current, self.last = None, i
+        self.outputs[i] = float(sum(t.numel() * t.element_size() for t in _input_tensors(out)))
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        key = storage._cdata  # one StorageImpl per allocation, shared by all views of it (meta tensors too)
+        if key not in self.seen:
+            self.seen.add(key)
+            where = self.current if self.current is not None else self.last
+            self.bytes[where] += storage.nbytes()
+            if t.is_floating_point():
+                self.float_bytes += storage.nbytes()
+        return t
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _storage_keys(tensors) -> set[int]:
+    return {t.untyped_storage()._cdata for t in tensors}
+
+
+def _input_tensors(batch) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _input_tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _input_tensors(v)]
+    return []
+
+
+def _call(module: nn.Module, batch):
+    return module(**batch) if isinstance(batch, dict) else module(batch)
+
+
+def _saved_bytes(spec: ModelSpec, module: nn.Module, layers, batch) -> tuple[list[float], float, list[float]]:
+    exclude = _storage_keys([*module.parameters(), *module.buffers(), *_input_tensors(batch)])
+    counter = _SavedTensorCounter(module, layers, exclude)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            loss = spec.loss_of(_call(module, batch), batch)
+    finally:
+        counter.close()
+    del loss
+    return counter.bytes, counter.float_bytes, counter.outputs
+
+
+def _timed_step(spec: ModelSpec, module: nn.Module, layers, batch) -> tuple[list[float], float, float]:
+    """(forward seconds per layer, forward seconds, backward seconds) of one step."""
+    starts, spans, handles = {}, [0.0] * len(layers), []
+    for i, (_, m, _) in enumerate(layers):
+        if m is None:
+            continue
+        handles.append(m.register_forward_pre_hook(lambda _m, _a, i=i: starts.__setitem__(i, time.perf_counter())))
+        handles.append(
+            m.register_forward_hook(
+                lambda _m, _a, _o, i=i: spans.__setitem__(i, spans[i] + time.perf_counter() - starts[i])
+            )
+        )
+    try:
+        t0 = time.perf_counter()
+        loss = spec.loss_of(_call(module, batch), batch)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+    finally:
+        for h in handles:
+            h.remove()
+    module.zero_grad(set_to_none=True)
+    return spans, t1 - t0, t2 - t1
+
+
+def matmul_flops_per_s(device: str | torch.device = "cpu", n: int = 512) -> float:
+    """Floating-point operations per second of an ``n x n`` fp32 matmul here (the rate FLOP counts are timed at)."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    a @ b  # warm-up
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        if a.device.type == "cuda":
+            torch.cuda.synchronize()  # CPU-GPU sync point: the product must be done before the clock stops
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / median(times)
+
+
+def probe(
+    spec: ModelSpec,
+    *,
+    batch_size: int,
+    seq_len: int | None,
+    device: str | torch.device = "cpu",
+    materialize_limit_bytes: int = 2 << 30,
+    flops_per_s: float | None = None,
+) -> ProbeResult:
+    """Measure ``spec``'s activations and compute on a batch of ``batch_size`` (kept small: 1-2 samples)."""
+    device = torch.device(device)
+    # the caller's random streams stay as they were (the Trainer plans between seeding and its first step)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        return _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per_s)
+
+
+def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per_s) -> ProbeResult:
+    counts = spec.layers()
+    fp32_bytes = 4 * sum(layer.numel for layer in counts)
+    real = fp32_bytes <= materialize_limit_bytes or spec.fixed_batch is not None
+    module = spec.build(device if real else "meta")
+    if spec.fixed_batch is not None:  # a built module: measured where it lives
+        device = next(module.parameters(), torch.empty(0)).device
+    elif real and any(p.is_meta for p in module.parameters()):
+        module = module.to_empty(device=device)  # a constructor that built on meta: values don't matter here
+    layers = model_layers(module)  # the spec's layers, less the "<root>" row (no module of its own)
+    names = [c.name for c in counts]
+    rows = len(counts)
+    lengths = [seq_len] if seq_len is None else sorted({max(1, seq_len // 2), seq_len})
+    samples = {}
+    for n in lengths:
+        batch = spec.batch(module, batch_size, n, device if real else "meta")
+        per_layer, floats, outputs = _saved_bytes(spec, module, layers, batch)
+        samples[n] = ([b / batch_size for b in per_layer] + [0.0] * (rows - len(per_layer)), floats)
+        pad = [0.0] * (rows - len(outputs))
+        output_linear = [o / batch_size / (n or 1) for o in outputs] + pad  # the longest length wins (last)
+    total = sum(sum(v[0]) for v in samples.values()) * batch_size
+    float_share = sum(v[1] for v in samples.values()) / total if total else 1.0
+    if seq_len is None or len(lengths) == 1:
+        only = samples[lengths[0]][0]
+        per_token = only if seq_len is None else [b / seq_len for b in only]
+        act_lin, act_quad = per_token, [0.0] * rows
+    else:
+        l1, l2 = lengths
+        act_lin, act_quad = [], []
+        for b1, b2 in zip(samples[l1][0], samples[l2][0], strict=True):
+            # b = a*L + q*L^2 through both points; a negative q is noise from allocation rounding: keep it linear
+            q = (b2 / l2 - b1 / l1) / (l2 - l1)
+            q = max(q, 0.0)
+            act_quad.append(q)
+            act_lin.append(b2 / l2 - q * l2)
+    notes = []
+    fixed = (0.0, 0.0)
+    if real:
+        # two batch sizes, interleaved, so a fixed cost per step is not scaled with the batch
+        sizes = [batch_size] if spec.fixed_batch is not None else [batch_size, 2 * batch_size]
+        batches = {b: spec.batch(module, b, seq_len, device) for b in sizes}
+        runs = {b: [] for b in sizes}
+        for k in range(_REPEATS + 1):
+            for b in sizes:
+                run = _timed_step(spec, module, layers, batches[b])
+                if k:  # the first round warms up
+                    runs[b].append(run)
+        top = sizes[-1]
+        spans = [median(r[0][i] for r in runs[top]) for i in range(len(layers))]
+        totals = {b: (median(r[1] for r in runs[b]), median(r[2] for r in runs[b])) for b in sizes}
+        per_sample, fixed = [], []
+        for part in (0, 1):
+            t_top = totals[top][part]
+            if len(sizes) == 1:
+                slope = t_top / top
+            else:
+                # noise can make the difference tiny or negative: at least a tenth of the average per sample
+                slope = max((t_top - totals[sizes[0]][part]) / (top - sizes[0]), 0.1 * t_top / top)
+            per_sample.append(slope * top)
+            fixed.append(max(0.0, t_top - slope * top))
+        fwd, bwd = per_sample
+        batch_size = top
+        method = f"measured on {torch.device(device).type}"
+    else:
+        spans, fwd, bwd, rate = _flop_times(spec, module, layers, batch_size, seq_len, flops_per_s, device)
+        method = "meta device + FLOP count"
+        notes.append(
+            f"model too large to build here ({fp32_bytes / 2**30:.1f} GiB fp32): compute = FLOPs / {rate:.3g}/s"
+        )
+    spans = spans + [0.0] * (rows - len(spans))
+    share = [s / sum(spans) if sum(spans) > 0 else 1.0 / rows for s in spans]
+    return ProbeResult(
+        layer_names=names,
+        act_linear=act_lin,
+        act_quadratic=act_quad,
+        output_linear=output_linear,
+        float_share=float_share,
+        forward_s_per_sample=[fwd * s / batch_size for s in share],
+        backward_s_per_sample=[bwd * s / batch_size for s in share],
+        forward_fixed_s=[fixed[0] * s for s in share],
+        backward_fixed_s=[fixed[1] * s for s in share],
+        seq_len=seq_len,
+        method=method,
+        notes=notes,
+    )
+
+
+def _flop_times(spec, module, layers, batch_size, seq_len, flops_per_s, device):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    rate = flops_per_s or matmul_flops_per_s(device if torch.device(device).type != "meta" else "cpu")
+    counter = FlopCounterMode(display=False)
+    per_layer = [0.0] * len(layers)
+    marks = {}
+    handles = []
+    for i, (_, m, _) in enumerate(layers):
+        if m is None:
+            continue
+        handles.append(m.register_forward_pre_hook(lambda _m, _a, i=i: marks.__setitem__(i, counter.get_total_flops())))
+        handles.append(
+            m.register_forward_hook(
+                lambda _m, _a, _o, i=i: per_layer.__setitem__(i, per_layer[i] + counter.get_total_flops() - marks[i])
+            )
+        )
+    try:
+        with counter:
+            batch = spec.batch(module, batch_size, seq_len, "meta")
+            loss = spec.loss_of(_call(module, batch), batch)
+            forward_flops = counter.get_total_flops()
+            loss.backward()
+            total = counter.get_total_flops()
+    finally:
+        for h in handles:
+            h.remove()
+    spans = [f / rate for f in per_layer]
+    return spans, forward_flops / rate, (total - forward_flops) / rate, rate

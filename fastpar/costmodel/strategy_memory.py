@@ -1,0 +1,182 @@
+"""Per-device bytes of each training strategy: parameters, gradients, optimizer state, activations, and the
+buffers in flight (bucket buffers, gathered FSDP2 units, pipeline messages).
+
+What each strategy keeps, per device of ``N`` (``P`` parameter elements; itemsizes from the dtypes):
+
+- ``ddp``: everything whole. Gradients live in the flat bucket buffers (views); reducing in a narrower
+  dtype adds a second flat buffer of the reduce dtype.
+- ``zero1``: the optimizer state of 1/N of every bucket (buckets padded to a multiple of N). On gloo and the
+  fastpar backend the reduce-scatter is point-to-point, into a scratch buffer of (N-1)/N of each bucket.
+- ``zero2``: also the gradients as shards (1/N), plus a pool of full-size bucket buffers for the buckets in
+  flight (two by default: one reducing, one filling).
+- ``fsdp``: parameters, gradients and state as shards; each parameter's dim 0 padded to a multiple of N (as
+  ``fully_shard`` does). In flight: the root unit (never resharded), the largest unit gathered plus the next
+  one prefetched, and one unit's unsharded gradients before its reduce-scatter; with
+  ``reshard_after_forward=False`` every unit stays gathered from forward to backward.
+- ``pipeline``: a stage's layers whole (the largest stage counts); ``dp = N / S`` replicas of each stage
+  synchronise like DDP. Activations of the microbatches in flight: with 1F1B stage s holds min(S - s, M)
+  of them (the first stage the most), with GPipe all M.
+
+Activations everywhere are the saved tensors plus backward's transient at its start: the gradient arriving
+at the largest layer output and the one leaving it (2 x that output; for a language model the logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .model_spec import Layer
+
+__all__ = ["OPTIMIZER_STATE", "DtypeSizes", "MemoryBreakdown", "strategy_memory"]
+
+# optimizer -> (state tensors per parameter, each the parameter's size and dtype; fp32 scalar "step" per parameter)
+OPTIMIZER_STATE = {
+    "adamw": (2, True),
+    "adam": (2, True),
+    "sgd": (0, False),
+    "sgd-momentum": (1, False),
+}
+_STEP_BYTES = 4  # torch keeps Adam's step as a float32 scalar tensor per parameter (per bucket shard in ZeRO)
+
+
+@dataclass(frozen=True)
+class DtypeSizes:
+    param: int = 4  # bytes per parameter element (and per gradient element: grads are in the parameter dtype)
+    reduce: int = 4  # bytes per element on the wire
+    activation_scale: float = 1.0  # floating-point activations relative to the measured fp32 ones
+
+
+@dataclass
+class MemoryBreakdown:
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    buffers: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_state(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def total(self) -> int:
+        return self.model_state + self.activations + self.buffers
+
+
+def _state_bytes(numel: float, tensors: int, optimizer: str, sizes: DtypeSizes) -> int:
+    per_param, has_step = OPTIMIZER_STATE[optimizer]
+    return int(numel * per_param * sizes.param + (tensors * _STEP_BYTES if has_step else 0))
+
+
+def bucket_numels(layers: Sequence[Layer], cap_bytes: int, first_cap_bytes: int, itemsize: int) -> list[int]:
+    """Bucket sizes (elements) of the parameters taken in backward order (last layer first), a bucket closing at
+    its cap -- the rule DDP's reducer and ZeRO follow (``size_capped_buckets``)."""
+    sizes, current, caps_used = [], 0, 0
+    for layer in reversed(layers):
+        for shape in reversed(layer.param_shapes):
+            current += _numel(shape)
+            cap = first_cap_bytes if caps_used == 0 else cap_bytes
+            if current * itemsize >= cap:
+                sizes.append(current)
+                current, caps_used = 0, caps_used + 1
+    if current:
+        sizes.append(current)
+    return sizes
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _fsdp_shard_numel(shapes: Sequence[Sequence[int]], n: int) -> int:
+    """Elements of one rank's shards: ``fully_shard`` pads each parameter's dim 0 to a multiple of ``n``."""
+    total = 0
+    for shape in shapes:
+        if not shape:
+            total += 1  # a 0-d parameter is one element per rank once padded
+            continue
+        rows = -(-shape[0] // n)
+        total += rows * _numel(shape[1:])
+    return total
+
+
+def strategy_memory(
+    strategy: str,
+    layers: Sequence[Layer],
+    activation_per_layer: Sequence[float],
+    *,
+    transient: float = 0.0,
+    devices: int,
+    optimizer: str,
+    sizes: DtypeSizes,
+    buckets: Sequence[int],
+    cpu_exchange: bool,
+    options: dict,
+) -> MemoryBreakdown:
+    """Bytes per device of ``strategy``; activations are the saved tensors per layer plus the ``transient``
+    bytes of backward's start (``options``: ``reshard_after_forward`` for fsdp; ``stages``,
+    ``schedule``, ``microbatches``, ``stage_layers`` (layer indices per stage), ``stage_activations`` (bytes per
+    stage for one microbatch), ``stage_transients``, ``boundary_bytes`` for pipeline); ``buckets``: bucket sizes in elements."""
+    n = devices
+    numel = sum(layer.numel for layer in layers)
+    tensors = sum(len(layer.param_shapes) for layer in layers)
+    activations = int(sum(activation_per_layer) + transient)
+    pb, rb = sizes.param, sizes.reduce
+    if strategy == "ddp":
+        narrow = numel * rb if rb != pb else 0
+        return MemoryBreakdown(
+            numel * pb, numel * pb, _state_bytes(numel, tensors, optimizer, sizes), activations, narrow
+        )
+    if strategy in ("zero1", "zero2"):
+        padded = [-(-b // n) * n for b in buckets]
+        total_padded = sum(padded)
+        state = _state_bytes(total_padded / n, len(padded), optimizer, sizes)
+        scratch = int(sum(padded) * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
+        if strategy == "zero1":
+            narrow = total_padded * rb if rb != pb else 0
+            return MemoryBreakdown(total_padded * pb, total_padded * pb, state, activations, scratch + narrow)
+        in_flight = options.get("buckets_in_flight", 2)
+        pool = sum(sorted(padded, reverse=True)[:in_flight]) * max(pb, rb)
+        scratch = int(sum(sorted(padded, reverse=True)[:in_flight]) * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
+        return MemoryBreakdown(total_padded * pb, total_padded // n * pb, state, activations, pool + scratch)
+    if strategy == "fsdp":
+        shard = sum(_fsdp_shard_numel(layer.param_shapes, n) for layer in layers)
+        state = _state_bytes(shard, tensors, optimizer, sizes)
+        units = [layer for layer in layers if layer.repeated and layer.numel]
+        root = numel - sum(u.numel for u in units)
+        largest = max((u.numel for u in units), default=0)
+        if options.get("reshard_after_forward", True):
+            gathered = root + min(2, len(units)) * largest
+        else:
+            gathered = numel
+        unsharded_grads = root + largest  # the root's until the end of backward, one unit's until its reduce-scatter
+        buffers = gathered * pb + unsharded_grads * max(pb, rb)
+        return MemoryBreakdown(shard * pb, shard * pb, state, activations, buffers)
+    if strategy == "pipeline":
+        stages = options["stage_layers"]
+        per_stage = []
+        for s, members in enumerate(stages):
+            stage_numel = sum(layers[i].numel for i in members)
+            stage_tensors = sum(len(layers[i].param_shapes) for i in members)
+            m = options["microbatches"]
+            held = min(len(stages) - s, m) if options["schedule"] == "1f1b" else m
+            acts = held * options["stage_activations"][s] + options["stage_transients"][s]
+            # sends and receives of the boundary activation and its gradient, one per microbatch in flight
+            messages = 2 * held * options["boundary_bytes"] if len(stages) > 1 else 0
+            per_stage.append(
+                MemoryBreakdown(
+                    stage_numel * pb,
+                    stage_numel * pb,
+                    _state_bytes(stage_numel, stage_tensors, optimizer, sizes),
+                    int(acts),
+                    int(messages),
+                    notes=[f"stage {s}"],
+                )
+            )
+        return max(per_stage, key=lambda b: b.total)
+    raise ValueError(f"unknown strategy {strategy!r}")

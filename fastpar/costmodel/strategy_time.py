@@ -1,0 +1,185 @@
+"""Predicted step time of each strategy: the measured compute (model_probe) plus the strategy's collectives,
+priced by a calibrated profile or a fabric (collective_costs) and overlapped as each engine overlaps them.
+
+- ``ddp``: backward with each bucket all-reduced as it fills -- the step simulator (step_simulator.py) with
+  the gradients ready at the end of their layer's measured backward; then the optimizer over all parameters.
+- ``zero1`` / ``zero2``: the same with a reduce-scatter per bucket; the optimizer over 1/N; the all-gather of
+  the updated shards runs under the next forward (each module waits for its bucket).
+- ``fsdp``: per unit (the repeated layers; the rest is the root unit) an all-gather before its forward and,
+  when resharded after forward, again before its backward, and a reduce-scatter of its gradients after it.
+  The wire runs one collective at a time, the next unit's gather prefetched while this one computes --
+  in backward always, in forward only on GPUs (on CPU ranks FSDP2's forward has nothing to overlap with:
+  it issues the next gather when that unit's forward starts).
+- ``pipeline``: M microbatches through S stages: (M + S - 1) slots of the slowest stage's forward + backward
+  of one microbatch and its two point-to-point messages (the bubble is (S - 1) / (M + S - 1) of it), then
+  the stage's gradients all-reduced across its dp = N / S replicas and its optimizer step.
+
+Contention between compute and the wire on CPU ranks (the profile's factors) is applied to DDP and ZeRO,
+whose overlap the step simulator models; FSDP and pipeline overlaps are taken at face value.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from statistics import median
+
+import torch
+
+from .bucket_optimizer import size_capped_buckets
+from .model_spec import Layer
+from .step_simulator import GradArrival, StepTimeline, SyncCosts, simulate_step
+
+__all__ = ["Comm", "optimizer_seconds_per_element", "strategy_step_seconds"]
+
+Comm = Callable[[str, float, int], float]  # (op, nbytes, ranks) -> seconds; op: allreduce|reducescatter|allgather|p2p
+
+
+def optimizer_seconds_per_element(optimizer: str, device: str | torch.device = "cpu", numel: int = 1 << 20) -> float:
+    """Seconds per parameter element of one ``optimizer`` step here (torch's default implementation)."""
+    from .strategy_memory import OPTIMIZER_STATE
+
+    if optimizer not in OPTIMIZER_STATE:
+        raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(OPTIMIZER_STATE)}")
+    p = torch.nn.Parameter(torch.zeros(numel, device=device))
+    p.grad = torch.ones_like(p)
+    opt = {
+        "adamw": lambda: torch.optim.AdamW([p], lr=1e-3),
+        "adam": lambda: torch.optim.Adam([p], lr=1e-3),
+        "sgd": lambda: torch.optim.SGD([p], lr=1e-3),
+        "sgd-momentum": lambda: torch.optim.SGD([p], lr=1e-3, momentum=0.9),
+    }[optimizer]()
+    opt.step()  # creates the state
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        opt.step()
+        if p.device.type == "cuda":
+            torch.cuda.synchronize()  # CPU-GPU sync point: the step must be done before the clock stops
+        times.append(time.perf_counter() - t0)
+    return median(times) / numel
+
+
+def _overlapped(compute_s: float, wire_s: float, costs: SyncCosts) -> float:
+    """Elapsed time of ``compute_s`` and ``wire_s`` run together, each slowed while the other runs."""
+    kc, kw = 1.0 + costs.compute_slowdown, 1.0 + costs.wire_slowdown
+    if wire_s <= 0:
+        return compute_s
+    if wire_s * kw <= compute_s * kc:  # the wire finishes first
+        t = wire_s * kw
+        return t + compute_s - t / kc
+    t = compute_s * kc
+    return t + wire_s - t / kw
+
+
+def _timeline(layers: Sequence[Layer], backward: Sequence[float], itemsize: int) -> StepTimeline:
+    """Each parameter's gradient ready at the end of its layer's backward (layers run last to first)."""
+    grads, now, index = [], 0.0, 0
+    starts = []
+    for layer in layers:
+        starts.append(index)
+        index += len(layer.param_shapes)
+    for i in reversed(range(len(layers))):
+        now += backward[i]
+        for k, shape in reversed(list(enumerate(layers[i].param_shapes))):
+            numel = 1
+            for d in shape:
+                numel *= d
+            grads.append(GradArrival(starts[i] + k, numel * itemsize, "float32", now))
+    return StepTimeline(grads, max(now, grads[-1].ready_s if grads else 0.0))
+
+
+def strategy_step_seconds(
+    strategy: str,
+    layers: Sequence[Layer],
+    forward: Sequence[float],
+    backward: Sequence[float],
+    *,
+    devices: int,
+    comm: Comm,
+    costs: SyncCosts,
+    optimizer_s_per_element: float,
+    reduce_itemsize: int,
+    param_itemsize: int,
+    caps: tuple[int, int],
+    on_gpu: bool,
+    options: dict,
+) -> float:
+    """Seconds of one step of ``strategy``; ``forward``/``backward``: seconds per layer at the per-rank batch
+    (for pipeline, ``options`` carries ``stage_layers``, ``microbatches``, ``boundary_bytes``)."""
+    n = devices
+    numel = sum(layer.numel for layer in layers)
+    if strategy in ("ddp", "zero1", "zero2"):
+        timeline = _timeline(layers, backward, reduce_itemsize)
+        timeline = StepTimeline(timeline.grads, timeline.backward_s, sum(forward), 0.0)
+        buckets = size_capped_buckets(timeline.grads, [caps[0], caps[1]]) if timeline.grads else []
+        op = "allreduce" if strategy == "ddp" else "reducescatter"
+        sim = simulate_step(timeline, buckets, lambda b: comm(op, b, n), costs) if buckets else None
+        backward_and_sync = sim.sync_end_s if sim else timeline.backward_s
+        if strategy == "ddp":
+            return sum(forward) + backward_and_sync + optimizer_s_per_element * numel
+        gather = sum(comm("allgather", numel * param_itemsize / len(buckets), n) for _ in buckets) if buckets else 0.0
+        forward_s = _overlapped(sum(forward), gather, costs)
+        return forward_s + backward_and_sync + optimizer_s_per_element * numel / n
+    if strategy == "fsdp":
+        return _fsdp_seconds(layers, forward, backward, n, comm, param_itemsize, reduce_itemsize, on_gpu, options) + (
+            optimizer_s_per_element * numel / n
+        )
+    if strategy == "pipeline":
+        return _pipeline_seconds(layers, forward, backward, n, comm, reduce_itemsize, optimizer_s_per_element, options)
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+class _Wire:
+    """One collective on the wire at a time, in the order they are issued."""
+
+    def __init__(self) -> None:
+        self.free = 0.0
+
+    def run(self, issued: float, seconds: float) -> float:
+        self.free = max(self.free, issued) + seconds
+        return self.free
+
+
+def _fsdp_seconds(layers, forward, backward, n, comm, param_itemsize, reduce_itemsize, on_gpu, options) -> float:
+    units = [i for i, layer in enumerate(layers) if layer.repeated and layer.numel]
+    first, last = (units[0], units[-1]) if units else (len(layers), -1)
+    root = [i for i in range(len(layers)) if i not in units]
+    root_numel = sum(layers[i].numel for i in root)
+    gather = {u: comm("allgather", layers[u].numel * param_itemsize, n) for u in units}
+    scatter = {u: comm("reducescatter", layers[u].numel * reduce_itemsize, n) for u in units}
+    reshard = options.get("reshard_after_forward", True)
+    wire = _Wire()
+    # forward: the root unit gathered first, then each unit's gather (under the previous unit on GPUs)
+    now = wire.run(0.0, comm("allgather", root_numel * param_itemsize, n))
+    now += sum(forward[i] for i in root if i < first)
+    previous_start = now
+    for u in units:
+        arrived = wire.run(previous_start if on_gpu else now, gather[u])
+        previous_start = max(now, arrived)
+        now = previous_start + forward[u]
+    now += sum(forward[i] for i in root if i > last)
+    # backward: the root's layers after the units first; each unit's gather issued as the one after it starts
+    now += sum(backward[i] for i in root if i > last)
+    order = list(reversed(units))
+    arrived = {order[0]: wire.run(now, gather[order[0]])} if reshard and order else {}
+    for k, u in enumerate(order):
+        start = max(now, arrived.get(u, 0.0))
+        if reshard and k + 1 < len(order):
+            arrived[order[k + 1]] = wire.run(start, gather[order[k + 1]])
+        now = start + backward[u]
+        wire.run(now, scatter[u])
+    now += sum(backward[i] for i in root if i < first)
+    return wire.run(now, comm("reducescatter", root_numel * reduce_itemsize, n))
+
+
+def _pipeline_seconds(layers, forward, backward, n, comm, reduce_itemsize, optimizer_s_per_element, options) -> float:
+    stages = options["stage_layers"]
+    s_count, m = len(stages), options["microbatches"]
+    per_batch = options["stage_batch_scale"]  # a stage's microbatch relative to the per-rank batch timed
+    slot = max(sum(forward[i] + backward[i] for i in members) * per_batch for members in stages)
+    p2p = 2 * comm("p2p", options["boundary_bytes"], 2) if s_count > 1 else 0.0
+    dp = n // s_count
+    stage_numel = max(sum(layers[i].numel for i in members) for members in stages)
+    sync = comm("allreduce", stage_numel * reduce_itemsize, dp) if dp > 1 else 0.0
+    return (m + s_count - 1) * (slot + p2p) + sync + optimizer_s_per_element * stage_numel

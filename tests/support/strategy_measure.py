@@ -1,0 +1,162 @@
+"""Measured bytes and step times of each training strategy on real ranks, to check the planner's predictions
+(imported by spawned ranks; used by tests/costmodel/test_memory_planner_measured.py and bench/plan_accuracy.py).
+
+Bytes are counted per distinct storage (views of one flat buffer count once), after a full step:
+parameters, gradients (where they live after backward: ``.grad``, bucket buffers or shards) and optimizer
+state. Engines: fastpar's DDP and ``ShardedOptimizer`` (ZeRO-1, and ZeRO-2 when it has ``shard_gradients``),
+torch's ``fully_shard`` applied per repeated layer and at the root (FSDP2), and torch's pipelining
+(``PipelineStage`` + ``Schedule1F1B``/``ScheduleGPipe``) over the planner's split.
+"""
+
+from __future__ import annotations
+
+import time
+from statistics import median
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fastpar.costmodel.model_spec import ModelSpec, model_layers
+from fastpar.costmodel.reference_transformer import ReferenceTransformer
+
+
+def _storages(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):  # a DTensor: this rank's shard
+            t = t.to_local()
+        s = t.untyped_storage()
+        if s._cdata not in seen:
+            seen.add(s._cdata)
+            total += s.nbytes()
+    return total
+
+
+def _state_tensors(optimizers) -> list[torch.Tensor]:
+    return [v for opt in optimizers for state in opt.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+def _build(model_kwargs) -> ReferenceTransformer:
+    torch.manual_seed(0)
+    return ReferenceTransformer(**model_kwargs)
+
+
+class _Engine:
+    """One strategy's model and optimizer; ``step(ids)`` trains one step, ``bytes()`` counts what it holds."""
+
+    def __init__(self, strategy: str, options: dict, model_kwargs: dict, rank: int, world: int) -> None:
+        import fastpar
+
+        self.strategy, self.rank, self.world = strategy, rank, world
+        module = _build(model_kwargs)
+        self.loss = ReferenceTransformer.loss
+        adamw = dict(lr=1e-3, weight_decay=0.01)
+        self.grad_bytes_after_backward = 0
+        if strategy == "local":  # no communication: the compute floor of a step, timed in the same rounds
+            self.model = module
+            self.opt = torch.optim.AdamW(module.parameters(), **adamw)
+        elif strategy == "ddp":
+            self.model = fastpar.DistributedDataParallel(module)
+            self.opt = torch.optim.AdamW(self.model.parameters(), **adamw)
+        elif strategy in ("zero1", "zero2"):
+            self.model = fastpar.DistributedDataParallel(module)
+            extra = {"shard_gradients": True} if strategy == "zero2" else {}
+            self.opt = fastpar.ShardedOptimizer(self.model, torch.optim.AdamW, **extra, **adamw)
+        elif strategy == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for _, layer, repeated in model_layers(module):
+                if repeated and any(True for _ in layer.parameters()):
+                    fully_shard(layer, reshard_after_forward=options.get("reshard_after_forward", True))
+            fully_shard(module)
+            self.model = module
+            self.opt = torch.optim.AdamW(module.parameters(), **adamw)
+        elif strategy == "pipeline":
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+            layers = model_layers(module)
+            starts = list(options["split"]) + [len(layers)]
+            mine = nn.Sequential(*(layers[i][1] for i in range(starts[rank], starts[rank + 1])))
+            self.model = mine
+            stage = PipelineStage(mine, rank, world, torch.device("cpu"))
+            schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[options["schedule"]]
+            self.schedule = schedule(stage, n_microbatches=options["microbatches"], loss_fn=self.loss)
+            self.opt = torch.optim.AdamW(mine.parameters(), **adamw)
+        else:
+            raise ValueError(strategy)
+
+    def step(self, ids: torch.Tensor) -> None:
+        self.opt.zero_grad()
+        if self.strategy == "pipeline":
+            # the pipeline trains on its S devices' batches at once (what data parallelism would give them)
+            full = ids.repeat(self.world, 1)
+            if self.rank == 0:
+                self.schedule.step(full)
+            else:
+                self.schedule.step(target=full)
+        else:
+            self.loss(self.model(ids), ids).backward()
+        self.grad_bytes_after_backward = self._grad_bytes()
+        self.opt.step()
+
+    def _grad_bytes(self) -> int:
+        if self.strategy in ("zero1", "zero2"):
+            report = getattr(self.opt, "memory_report", None)
+            if report is not None:
+                return int(report()["gradients"])
+            return _storages(zb.bucket.grad_flat for zb in self.opt._sharded)  # where ZeRO-1's gradients live
+        return _storages(p.grad for p in self.model.parameters())
+
+    def bytes(self) -> dict[str, int]:
+        if self.strategy in ("zero1", "zero2"):
+            report = getattr(self.opt, "memory_report", None)
+            if report is not None:
+                got = report()
+                return {k: int(got[k]) for k in ("parameters", "gradients", "optimizer_state")}
+            return {
+                "parameters": _storages(zb.param_flat for zb in self.opt._sharded),
+                "gradients": self.grad_bytes_after_backward,
+                "optimizer_state": _storages(_state_tensors(self.opt._inner)),
+            }
+        return {
+            "parameters": _storages(self.model.parameters()),
+            "gradients": self.grad_bytes_after_backward,
+            "optimizer_state": _storages(_state_tensors([self.opt])),
+        }
+
+
+def measure_rank(rank: int, world: int, config: dict) -> dict:
+    """On every rank: build each strategy in ``config["strategies"]`` (label -> (strategy, options)), train
+    ``config["warmup"]`` steps, then ``config["rounds"]`` rounds of one timed step per strategy, interleaved.
+    Returns {label: {"bytes": {...}, "step_s": [seconds per round]}}."""
+    torch.manual_seed(1 + rank)
+    ids = torch.randint(0, config["model"]["vocab"], (config["batch_size"], config["model"]["seq_len"]))
+    engines = {label: _Engine(s, o, config["model"], rank, world) for label, (s, o) in config["strategies"].items()}
+    for engine in engines.values():
+        for _ in range(config.get("warmup", 1)):
+            engine.step(ids)
+    times = {label: [] for label in engines}
+    for _ in range(config.get("rounds", 0)):
+        for label, engine in engines.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            engine.step(ids)
+            times[label].append(time.perf_counter() - t0)
+    return {label: {"bytes": e.bytes(), "step_s": times[label]} for label, e in engines.items()}
+
+
+def slowest_rank_medians(results: list[dict]) -> dict[str, float]:
+    """Per strategy, the median step over rounds of the slowest rank in each round."""
+    labels = results[0].keys()
+    out = {}
+    for label in labels:
+        rounds = zip(*(r[label]["step_s"] for r in results), strict=True)
+        out[label] = median(max(r) for r in rounds) if results[0][label]["step_s"] else float("nan")
+    return out
+
+
+def spec_of(model_kwargs: dict) -> ModelSpec:
+    return ModelSpec.transformer(**model_kwargs)
