@@ -9,6 +9,7 @@ only on logged steps, so an ordinary step has no CPU-GPU sync and no extra colle
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import resume
 from .data import batches_per_epoch, make_loader
-from .job import Job, build_model, ddp_choice
+from .job import Job, build_model, build_optimizer, ddp_choice
 from .planning import plan_sharding
 from .plot import write_progress_plot
 from .progress import MetricsLog, ProgressBar
@@ -127,13 +128,23 @@ class Run:
 
     def _plan(self, strategy: str) -> tuple[str, dict]:
         """Ask the memory planner (rank 0, with a real batch) which strategy fits; every rank gets its answer."""
-        example = module = None
-        if self.is_main:
+        example = module = optimizer = None
+        if self.is_main:  # rank 0 builds the whole model once, on the CPU or this device, to measure it
             _seed_everything(self.opts.seed)
-            module = build_model(self.job.model)
+            module = copy.deepcopy(build_model(self.job.model))  # measuring runs it: not the instance we train
+            optimizer = build_optimizer(self.job.optimizer, module)
             example = self._example_batch(module)
+            module.to(self.device)
         return plan_sharding(
-            module, example, strategy, self.opts.memory_budget_bytes, self.rank, self.world_size, self.device
+            module,
+            optimizer,
+            self.job.loss_fn,
+            example,
+            strategy,
+            self.opts.memory_budget_bytes,
+            self.rank,
+            self.world_size,
+            self.device,
         )
 
     def _example_batch(self, module: torch.nn.Module | None = None) -> tuple[Any, Any]:

@@ -17,7 +17,7 @@ CPU_BACKENDS = ("auto", "fastpar", "gloo")
 PLOTS = (None, "none", "training-progress")
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp", "pipeline", "auto")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
-FSDP_WRAPS = ("auto", "blocks", "size", "none")
+FSDP_WRAPS = ("auto", "root")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
@@ -213,11 +213,14 @@ class TrainingOptions:
                 f"TrainingOptions.pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pipeline_schedule!r}",
             )
         wrap = self.fsdp_wrap
-        if not (wrap in FSDP_WRAPS or (isinstance(wrap, int) and not isinstance(wrap, bool) and wrap >= 1)):
+        if isinstance(wrap, list):
+            self.fsdp_wrap = wrap = tuple(wrap)
+        names = isinstance(wrap, tuple) and wrap and all(isinstance(n, str) and n for n in wrap)
+        if not (wrap in FSDP_WRAPS or names or (isinstance(wrap, int) and not isinstance(wrap, bool) and wrap >= 1)):
             raise OptionError(
                 "fsdp_wrap",
-                f"TrainingOptions.fsdp_wrap must be one of {FSDP_WRAPS} or a parameter count >= 1 (modules at least "
-                f"that big become units), got {wrap!r}",
+                f"TrainingOptions.fsdp_wrap must be 'auto', 'root', a parameter count >= 1 (modules at least that "
+                f"big become units) or block class names like ('TransformerBlock',), got {wrap!r}",
             )
         if self.fsdp_reshard_after_forward not in (None, True, False):
             raise OptionError(

@@ -20,16 +20,25 @@ def device_memory(device: torch.device, world_size: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(world_size, 1)
 
 
-def _fits(plan: Any, name: str) -> bool | None:
-    """Whether the plan says ``name`` fits (None when the plan does not say)."""
-    fits = getattr(plan, "fits", None)
-    if callable(fits):
-        return bool(fits(name))
-    for row in getattr(plan, "rows", None) or getattr(plan, "estimates", None) or ():
-        row_name = getattr(row, "strategy", None) or getattr(row, "name", None)
-        if row_name == name:
-            return bool(getattr(row, "fits", True))
-    return None
+# torch optimizer class -> the planner's name for its state (unknown classes: AdamW's two moments, the most)
+_OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam", "SGD": "sgd"}
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    name = _OPTIMIZERS.get(type(optimizer).__name__, "adamw")
+    if name == "sgd" and any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return "sgd-momentum"
+    return name
+
+
+class _LossOnTargets:
+    """The run's loss on the example batch's targets, as the planner calls it: ``loss(output, inputs)``."""
+
+    def __init__(self, loss_fn, targets) -> None:
+        self.loss_fn, self.targets = loss_fn, targets
+
+    def __call__(self, output, _inputs):
+        return self.loss_fn(output, self.targets)
 
 
 def plan_sharding(
@@ -45,7 +54,7 @@ def plan_sharding(
     the planner's choice). Raises OptionError on every rank when it can't fit the memory."""
     answer: list[Any] = [None]
     if rank == 0:
-        answer[0] = _plan_on_rank0(module, example_batch, strategy, budget, world_size, device)
+        answer[0] = _plan_on_rank0(module, optimizer, loss_fn, example_batch, strategy, budget, world_size, device)
     if world_size > 1:
         dist.broadcast_object_list(answer, src=0)
     kind, value = answer[0]
@@ -54,27 +63,43 @@ def plan_sharding(
     return value
 
 
-def _plan_on_rank0(module, example_batch, strategy, budget, world_size, device) -> tuple[str, Any]:
+def _plan_on_rank0(module, optimizer, loss_fn, example_batch, strategy, budget, world_size, device) -> tuple[str, Any]:
     from ..costmodel.memory_planner import plan_for_module
 
     memory = budget or device_memory(device, world_size)
+    x, y = example_batch
     try:
-        plan = plan_for_module(module, example_batch, devices=world_size, device_memory=memory)
-    except Exception as exc:  # the plan's own refusal (no strategy fits, a model it can't measure)
-        return "error", f"the memory planner refused this run: {exc}"
-    print(f"fastpar: memory plan for {world_size} process(es), {memory / 2**30:.2f} GiB each:\n{plan}", flush=True)
+        plan = plan_for_module(
+            module,
+            x,
+            loss=_LossOnTargets(loss_fn, y),
+            devices=world_size,
+            device_memory=memory,
+            optimizer=optimizer_kind(optimizer),
+            device=device.type,
+        )
+    except Exception as exc:  # the planner's own refusal (a model it can't measure, an option out of range)
+        return "error", f"the memory planner could not plan this run: {exc}"
+    print(f"fastpar: memory plan ({_gib(memory)} per process):\n{plan.table()}", flush=True)
     if strategy == "auto":
         if plan.choice is None:
             return "error", (
-                f"no sharding strategy fits {memory / 2**30:.2f} GiB per process (the plan above); raise "
-                "memory_budget, use more processes (devices), or a smaller batch_size"
+                f"no sharding strategy fits {_gib(memory)} per process ({plan.advice}); raise memory_budget, "
+                "use more processes (devices) or a smaller batch_size"
             )
-        print(f"fastpar: sharding='auto' chose {plan.choice!r}", flush=True)
+        print(f"fastpar: sharding='auto' chose {plan.choice!r} {plan.choice_options or ''}".rstrip(), flush=True)
         return "ok", (plan.choice, dict(plan.choice_options or {}))
-    if _fits(plan, strategy) is False:
+    best = plan.best(strategy)
+    if best is not None and not best.fits:
+        others = [e.strategy for e in plan.estimates if e.fits]
+        instead = f"sharding={others[0]!r} or 'auto'" if others else "more processes (devices) or a smaller batch_size"
         return "error", (
-            f"sharding={strategy!r} does not fit {memory / 2**30:.2f} GiB per process (the plan above); choose a "
-            f"strategy the plan says fits (sharding='auto' picks one), raise memory_budget or use more processes"
+            f"sharding={strategy!r} needs {_gib(best.memory.total)} per process, more than the "
+            f"{_gib(plan.usable_memory)} usable of memory_budget={_gib(memory)} (the plan above); use {instead}, "
+            "or raise memory_budget"
         )
-    options = dict(plan.choice_options or {}) if plan.choice == strategy else {}
-    return "ok", (strategy, options)
+    return "ok", (strategy, dict(best.options) if best is not None else {})
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"

@@ -173,20 +173,24 @@ class FsdpStrategy(DcpStrategy):
         self.job, self.opts = job, job.options
         self.rank, self.world_size, self.device = rank, world_size, device
         opts, planned = self.opts, dict(plan_options or {})
-        kwargs: dict[str, Any] = {"device": device}
-        wrap = opts.fsdp_wrap if opts.fsdp_wrap != "auto" else planned.get("wrap")
-        if wrap is not None:
-            kwargs["wrap"] = wrap
         reshard = opts.fsdp_reshard_after_forward
         if reshard is None:
-            reshard = planned.get("reshard_after_forward")
-        if reshard is not None:
-            kwargs["reshard_after_forward"] = reshard
-        if opts.mixed_precision:
-            kwargs["mixed_precision"] = torch.bfloat16
-        # built on the meta device and materialised shard by shard: no rank holds the whole model
-        self.model = self.train_model = fully_shard_model(job.model, **kwargs)
+            reshard = planned.get("reshard_after_forward", True)
+        # a factory is built on the meta device and only this rank's shards are materialised (with the values
+        # the eagerly built model seeded with ``seed`` holds): no rank holds the whole model
+        self.model = self.train_model = fully_shard_model(
+            job.model,
+            wrap=opts.fsdp_wrap,
+            mixed_precision="bf16" if opts.mixed_precision else None,
+            reshard_after_forward=reshard,
+            device=device,
+            seed=opts.seed,
+        )
         self.optimizer = build_optimizer(job.optimizer, self.model)  # a plain optimizer over the DTensor shards
+        self.reshard = reshard
+
+    def describe(self) -> str:
+        return f"fsdp (reshard after forward: {self.reshard})"
 
     def no_sync(self, last_micro: bool):
         self.model.set_requires_gradient_sync(last_micro)  # accumulate unreduced until the group's last
@@ -243,17 +247,25 @@ class PipelineStrategy(DcpStrategy):
             )
         microbatches = opts.microbatches or planned.get("microbatches") or 2 * stages
         if opts.batch_size % microbatches:
-            raise ValueError(
-                f"batch_size={opts.batch_size} does not split into {microbatches} micro-batches; set "
-                "TrainingOptions.microbatches to a divisor of batch_size"
-            )
+            if opts.microbatches:
+                raise ValueError(
+                    f"batch_size={opts.batch_size} does not split into {microbatches} micro-batches; set "
+                    "TrainingOptions.microbatches to a divisor of batch_size"
+                )
+            microbatches = stages if opts.batch_size % stages == 0 else 1  # the plan's count does not divide
+        schedule = opts.pipeline_schedule
+        if opts.sharding == "auto" and schedule == "1f1b":  # the default: the plan's schedule
+            schedule = planned.get("schedule", schedule)
+        split: Any = "auto"  # measured and balanced by pipeline_model
+        if planned.get("split") is not None and planned.get("stages") == stages:
+            split = list(planned["split"])[1:]  # the plan lists every stage's first layer; the first is 0
         self.pipeline = pipeline_model(
             build_model(job.model).to(device),
             stages=stages,
             loss_fn=job.loss_fn,
             microbatches=microbatches,
-            schedule=opts.pipeline_schedule,
-            split=planned.get("split", "auto"),
+            schedule=schedule,
+            split=split,
             example_input=example_input,  # a real batch: the split is measured on it and fixes the shapes sent
             device=device,
             memory_limit_bytes=opts.memory_budget_bytes,
