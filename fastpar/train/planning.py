@@ -42,7 +42,9 @@ class _LossOnTargets:
 
 
 def plan_sharding(
-    module: torch.nn.Module,
+    module: torch.nn.Module | None,
+    optimizer: torch.optim.Optimizer | None,
+    loss_fn: Any,
     example_batch: Any,
     strategy: str,
     budget: int | None,
@@ -50,8 +52,8 @@ def plan_sharding(
     world_size: int,
     device: torch.device,
 ) -> tuple[str, dict[str, Any]]:
-    """Collective: ``(strategy, its options)`` every rank agrees on. ``strategy``: the one asked for ("auto":
-    the planner's choice). Raises OptionError on every rank when it can't fit the memory."""
+    """Collective: ``(strategy, its options)`` every rank agrees on; ``module``, ``optimizer`` and ``example_batch``
+    (``(x, y)``) are needed on rank 0 only. ``strategy``: the one asked for ("auto": the planner's choice). Raises OptionError on every rank when it can't fit the memory."""
     answer: list[Any] = [None]
     if rank == 0:
         answer[0] = _plan_on_rank0(module, optimizer, loss_fn, example_batch, strategy, budget, world_size, device)
