@@ -204,8 +204,34 @@ def test_zero1_checkpoint_resumes_as_zero2(two_and_three_rank_runs, tmp_path):
 def test_checkpoint_of_another_model_is_refused_before_the_first_step(two_and_three_rank_runs, tmp_path):
     folder = two_and_three_rank_runs["zero1", 2]
     copy_checkpoint(folder.parent, 6, tmp_path / "ck")
-    with pytest.raises(Exception, match=r"different model .*2\.weight: checkpoint \[32, 32\], model \[32, 48\]"):
+    with pytest.raises(
+        sharded.IncompatibleCheckpointError,
+        match=r"different model .*2\.weight: checkpoint \[32, 32\], model \[32, 48\]",
+    ):
         fit(tmp_path, model=make_wider, sharding="zero1", checkpoint_dir=str(tmp_path / "ck"), resume=True)
-    assert not (tmp_path / "out" / "metrics.jsonl").exists() or not (tmp_path / "out" / "metrics.jsonl").read_text()
-    with pytest.raises(Exception, match="sharding='zero1', this run uses sharding='fsdp'"):
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()  # refused in the launching process: nothing ran
+    with pytest.raises(sharded.IncompatibleCheckpointError, match="sharding='zero1', this run uses sharding='fsdp'"):
         fit(tmp_path, sharding="fsdp", checkpoint_dir=str(tmp_path / "ck"), resume=True)
+
+
+# --- sharding="auto" and memory_budget -------------------------------------------------------------------
+@pytest.mark.slow
+def test_auto_prints_the_plan_then_trains_with_its_choice(tmp_path, capfd):
+    result = fit(tmp_path, sharding="auto", memory_budget="2GB", max_epochs=1)
+    out = capfd.readouterr().out
+    assert "fastpar: memory plan" in out and "strategy" in out and "fastpar: sharding='auto' chose" in out
+    chosen = out.split("sharding='auto' chose '")[1].split("'")[0]
+    assert chosen in ("ddp", "zero1", "zero2", "fsdp", "pipeline")
+    assert f"sharding: {chosen}" in out or (chosen == "ddp" and "DDP" in out)  # the summary names what runs
+    assert result.steps == (12 if chosen == "pipeline" else 6)
+
+
+@pytest.mark.slow
+def test_a_strategy_that_cannot_fit_the_budget_is_refused_before_the_first_step(tmp_path):
+    with pytest.raises(
+        Exception, match=r"sharding='ddp' needs .* per process, more than the .* usable of memory_budget"
+    ):
+        fit(tmp_path, sharding="ddp", memory_budget="64KB")
+    with pytest.raises(Exception, match="no sharding strategy fits"):
+        fit(tmp_path, sharding="auto", memory_budget="4KB")
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
