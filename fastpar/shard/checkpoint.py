@@ -16,9 +16,11 @@ differently, or a world size that pads buckets differently, finds its pieces.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ __all__ = [
     "export_consolidated",
     "flat_pieces",
     "is_sharded_checkpoint",
+    "local_piece",
     "load_sharded",
     "read_metadata",
     "read_trainer_record",
@@ -53,6 +56,22 @@ _DIR_NAME = re.compile(r"^ckpt-(\d{9})$")
 
 class IncompatibleCheckpointError(ValueError):
     """A checkpoint written for another model (names or shapes differ): refused before the first step."""
+
+
+@contextlib.contextmanager
+def _sharded_tensors_allowed():
+    """torch marks ShardedTensor deprecated in favour of DTensor, but a DTensor's pieces sit where its placement
+    says (even chunks), while ZeRO's slices of a parameter start anywhere: only ShardedTensor's explicit offsets
+    say that. Silence that one warning where fastpar builds or saves them, nothing else."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
+
+
+def local_piece(tensor: ShardedTensor) -> torch.Tensor:
+    """This rank's piece of a :func:`flat_pieces` tensor."""
+    with _sharded_tensors_allowed():
+        return tensor.local_shards()[0].tensor
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
@@ -86,7 +105,8 @@ def flat_pieces(
             local_shards.append(Shard(local.reshape(-1), meta))
     properties = TensorProperties(dtype=dtype, requires_grad=False)
     metadata = ShardedTensorMetadata(shards_metadata=shards, size=torch.Size([numel]), tensor_properties=properties)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
+    with _sharded_tensors_allowed():
+        return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, metadata)
 
 
 def _placement_device(device: torch.device) -> str:
@@ -116,7 +136,8 @@ def save_sharded(
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed writer's leftovers
         tmp.mkdir(parents=True)
     dist.barrier(group)
-    dcp.save(state, checkpoint_id=str(tmp), process_group=group)
+    with _sharded_tensors_allowed():
+        dcp.save(state, checkpoint_id=str(tmp), process_group=group)
     dist.barrier(group)  # every rank's pieces are on disk
     kept = None
     if rank == 0:
@@ -217,7 +238,8 @@ def model_shapes_in(path: str | Path) -> dict[str, torch.Size]:
 
 def load_sharded(state: dict[str, Any], path: str | Path, group: dist.ProcessGroup | None = None) -> None:
     """Collective: fill ``state`` (the same nesting as saved; this rank's pieces) in place from ``path``."""
-    dcp.load(state, checkpoint_id=str(path), process_group=group)
+    with _sharded_tensors_allowed():
+        dcp.load(state, checkpoint_id=str(path), process_group=group)
 
 
 # --- one file for inference --------------------------------------------------------------------------

@@ -212,6 +212,7 @@ class Run:
             step=self.step,
             epoch=self.epoch,
             batch_in_epoch=self.batch_in_epoch,
+            batches_per_epoch=self.batches,
             elapsed=self.elapsed(),
             total_steps=self.total_steps,
             strategy=self.strategy,

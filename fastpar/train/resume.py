@@ -52,6 +52,7 @@ def save(
     step: int,
     epoch: int,
     batch_in_epoch: int,
+    batches_per_epoch: int,
     elapsed: float,
     total_steps: int,
     strategy: Any,
@@ -72,6 +73,7 @@ def save(
         "epoch": epoch,
         "elapsed": elapsed,
         "total_steps": total_steps,  # the run's planned length: a resume with another length re-plans the schedule
+        "batches_per_epoch": batches_per_epoch,  # whether the epoch was complete, for a resume at another world size
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "ranks": ranks,
     }
@@ -116,6 +118,8 @@ def restore(
         mine = ranks[rank]
         ckpt.set_rng_state(mine["rng"])
         batch_in_epoch, loader_state = mine["batch_in_epoch"], mine.get("loader")
+    elif ranks[0]["batch_in_epoch"] >= state.get("batches_per_epoch", float("inf")):
+        epoch += 1  # written at the end of an epoch: the next one starts, at this world size's cut of the data
     else:
         report(
             f"fastpar: checkpoint was written by {len(ranks)} processes, resuming on {world_size}: "

@@ -123,11 +123,11 @@ def _shard_state(zb, loaded, names, elementwise) -> tuple[dict[str, Any] | None,
     state: dict[str, Any] = {}
     for key, value in first.items():
         if key in elementwise:
-            flat = torch.zeros(zb.shard_numel, dtype=value.dtype, device=zb.param_flat.device)
+            flat = torch.zeros(zb.shard_numel, dtype=sharded.local_piece(value).dtype, device=zb.param_flat.device)
             for slot, a, b in pieces:
                 entry = entries[slot.index]
                 if entry:
-                    flat[a:b].copy_(entry[key].local_shards()[0].tensor)
+                    flat[a:b].copy_(sharded.local_piece(entry[key]))
             state[key] = flat
     shared = {
         slot.index: (

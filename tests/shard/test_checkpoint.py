@@ -42,8 +42,8 @@ def _save(rank: int, world_size: int, directory: str) -> list[str] | None:
 def _load(rank: int, world_size: int, path: str) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
     state = _state(rank, world_size, False)
     sharded.load_sharded(state, path)
-    shard = state["optim"]["state"]["weight"]["exp_avg"].local_shards()[0]
-    return shard.tensor, state["model"]["weight"], (shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0])
+    _, offset, length = _cut(NUMEL, world_size)[rank]
+    return sharded.local_piece(state["optim"]["state"]["weight"]["exp_avg"]), state["model"]["weight"], (offset, length)
 
 
 @pytest.mark.parametrize(("written", "loaded"), [(2, 3), pytest.param(3, 2, marks=pytest.mark.slow)])
