@@ -269,6 +269,7 @@ class Run:
         classifier = False
         if hasattr(self.val_loader, "set_epoch"):
             self.val_loader.set_epoch(0)
+        extra, x = self._agreed_validation_padding(), None
         with torch.no_grad(), self.autocast():
             for batch in self.val_loader:
                 x, y = self._batch(batch)
@@ -278,12 +279,25 @@ class Run:
                     classifier = True
                     totals[1] += (out.argmax(1) == y).sum()
                 totals[2] += len(y)
+            for _ in range(extra):  # FSDP2: every rank must take part in as many forwards' all-gathers
+                if x is None:  # this rank's shard of the validation data is empty
+                    x, _ = self._batch(next(iter(self.val_loader)))
+                self.model(x)
         self.model.train()
         loss_sum, correct, count = self._reduce(totals)
         result = {"val_loss": loss_sum / max(count, 1)}
         if classifier:
             result["val_accuracy"] = correct / max(count, 1)
         return result
+
+    def _agreed_validation_padding(self) -> int:
+        """Forwards this rank runs beyond its own validation batches (uncounted), so that every rank runs as
+        many: a fully sharded forward is collective, and the validation shards may differ by a batch."""
+        if not self.strategy.collective_forward:
+            return 0
+        counts: list = [None] * self.world_size
+        dist.all_gather_object(counts, batches_per_epoch(self.val_loader))
+        return max(counts) - counts[self.rank]
 
     def _record(self, sums: torch.Tensor, seconds: float) -> dict[str, Any] | None:
         """All ranks' (loss sum, correct, samples) reduced into a record on rank 0 (None elsewhere)."""

@@ -26,7 +26,7 @@ class Strategy:
 
     name = "ddp"
     sharded_checkpoints = False  # True: DCP folders (every rank writes its pieces); False: rank 0 writes one file
-    can_validate = True
+    collective_forward = False  # True: every forward takes part in collectives (each rank must run as many)
 
     def __init__(self, job: Job, rank: int, world_size: int, device: torch.device) -> None:
         self.job, self.opts = job, job.options
@@ -166,6 +166,7 @@ class FsdpStrategy(DcpStrategy):
     """Fully sharded parameters, gradients and optimizer state through torch's FSDP2 (fastpar's policies)."""
 
     name = "fsdp"
+    collective_forward = True
 
     def __init__(self, job: Job, rank: int, world_size: int, device: torch.device, plan_options=None) -> None:
         from ..shard import fully_shard_model
@@ -229,7 +230,6 @@ class PipelineStrategy(DcpStrategy):
     """Layers split into stages (torch.distributed.pipelining schedules); data parallel across stage replicas."""
 
     name = "pipeline"
-    can_validate = False
 
     def __init__(
         self, job: Job, rank: int, world_size: int, device: torch.device, plan_options=None, example_input=None

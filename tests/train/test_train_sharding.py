@@ -24,6 +24,7 @@ from fastpar.train.resume import single_file_state
 from fastpar.user_errors import OptionError
 
 DATA = blobs(192, seed=3)  # 2 ranks x 16: 6 steps per epoch; 3 ranks: 4
+VALIDATION = blobs(100, seed=4)
 BATCH = 16
 
 
@@ -117,9 +118,18 @@ STRATEGIES = ["ddp", "zero1", "zero2", "fsdp", "pipeline"]
 
 @pytest.fixture(scope="module", params=STRATEGIES)
 def straight_run(request, tmp_path_factory):
-    """2 epochs without a stop, writing a checkpoint every 4 (mid-epoch: step 4 of 6)."""
+    """2 epochs without a stop, writing a checkpoint every 4 (mid-epoch: step 4 of 6), validating at each epoch's
+    end (not in a pipeline: no process holds the whole model)."""
     tmp = tmp_path_factory.mktemp(request.param)
-    result = fit(tmp, sharding=request.param, checkpoint_dir=str(tmp / "ck"), checkpoint_every=4, keep_checkpoints=9)
+    validation = VALIDATION if request.param != "pipeline" else None
+    result = fit(
+        tmp,
+        sharding=request.param,
+        checkpoint_dir=str(tmp / "ck"),
+        checkpoint_every=4,
+        keep_checkpoints=9,
+        validation_data=validation,
+    )
     return request.param, result, tmp
 
 
@@ -129,8 +139,13 @@ def test_resume_is_exact_for_every_strategy(straight_run, tmp_path):
     assert straight.steps == (24 if strategy == "pipeline" else 12)  # 2 stages: one data-parallel replica
     saved = copy_checkpoint(tmp / "ck", 4, tmp_path / "ck")
     assert saved.is_dir() == (strategy != "ddp")  # sharded strategies write DCP folders
-    resumed = fit(tmp_path, sharding=strategy, checkpoint_dir=str(tmp_path / "ck"), resume=True)
+    validation = VALIDATION if strategy != "pipeline" else None
+    resumed = fit(
+        tmp_path, sharding=strategy, checkpoint_dir=str(tmp_path / "ck"), resume=True, validation_data=validation
+    )
     assert resumed.start_step == 4 and resumed.steps == straight.steps
+    if validation is not None:
+        assert resumed.last("val_loss") == straight.last("val_loss") and 0 < straight.last("val_accuracy") <= 1
     assert_same_parameters(resumed.model, straight.model)
     assert losses(resumed, 4) == losses(straight, 4)
 
