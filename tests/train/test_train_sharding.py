@@ -112,6 +112,20 @@ def test_shard_optimizer_is_zero1_and_sizes_parse():
     assert TrainingOptions(sharding="auto", memory_budget="512MiB").memory_budget_bytes == 512 * 2**20
 
 
+# --- the fast smoke test: one launch ------------------------------------------------------------------------
+def test_zero1_run_writes_a_sharded_checkpoint_that_exports_the_trained_model(tmp_path):
+    result = fit(tmp_path, sharding="zero1", max_epochs=1, checkpoint_dir=str(tmp_path / "ck"))
+    folder = tmp_path / "ck" / "ckpt-000000006"
+    assert result.checkpoints == [str(folder)] and (folder / ".metadata").is_file()
+    record = sharded.read_trainer_record(folder)
+    assert (record["sharding"], record["world_size"], record["step"], len(record["ranks"])) == ("zero1", 2, 6, 2)
+    model = make_blocks()
+    model.load_state_dict(torch.load(sharded.export_consolidated(folder, tmp_path / "model.pt"), weights_only=True))
+    assert_same_parameters(model, result.model)
+    flat = sharded.consolidated_state(folder)["optim"]["state"]["2.weight"]["exp_avg"]
+    assert flat.shape == (32 * 32,)  # ZeRO's optimizer state: flat, in the parameter's memory order
+
+
 # --- exact resume, every strategy --------------------------------------------------------------------
 STRATEGIES = ["ddp", "zero1", "zero2", "fsdp", "pipeline"]
 
