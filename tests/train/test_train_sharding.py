@@ -264,3 +264,34 @@ def test_a_strategy_that_cannot_fit_the_budget_is_refused_before_the_first_step(
     with pytest.raises(Exception, match="no sharding strategy fits"):
         fit(tmp_path, sharding="auto", memory_budget="4KB")
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+class WithUnusedLayer(torch.nn.Module):
+    """``unused`` never gets a gradient: ZeRO keeps per-parameter ``step`` counts inside a slice, and the
+    parameter has no optimizer state at all, as in a plain optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.unused, self.last = torch.nn.Linear(8, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(torch.relu(self.first(x)))
+
+
+@pytest.mark.slow
+def test_zero_checkpoint_of_a_parameter_never_stepped_resumes_exactly_and_reshards(tmp_path):
+    common = dict(model=WithUnusedLayer, sharding="zero1", find_unused_parameters=True)
+    straight = fit(tmp_path / "a", **common, checkpoint_dir=str(tmp_path / "a" / "ck"), checkpoint_every=4)
+    folder = copy_checkpoint(tmp_path / "a" / "ck", 8, tmp_path / "b" / "ck")
+    saved = sharded.consolidated_state(folder)["optim"]["state"]
+    assert "unused.weight" not in saved and "first.weight" in saved  # never stepped: no state
+    resumed = fit(tmp_path / "b", **common, checkpoint_dir=str(tmp_path / "b" / "ck"), resume=True)
+    assert_same_parameters(resumed.model, straight.model)
+    assert losses(resumed, 8) == losses(straight, 8)
+    (tmp_path / "c" / "ck").mkdir(parents=True)
+    ckpt.save_atomic(single_file_state(folder), ckpt.checkpoint_path(tmp_path / "c" / "ck", 8))
+    copy_checkpoint(tmp_path / "a" / "ck", 8, tmp_path / "d" / "ck")
+    runs = [  # at 3 processes: d reshards the folder, c loads the same state whole
+        fit(tmp_path / d, 3, **common, checkpoint_dir=str(tmp_path / d / "ck"), resume=True) for d in ("d", "c")
+    ]
+    assert_same_parameters(runs[0].model, runs[1].model)
