@@ -1,5 +1,5 @@
-"""Sharded data parallelism on fastpar's DDP buckets: ``ShardedOptimizer`` (ZeRO-1: optimizer state / world size)
-and ``ShardedGradScaler`` (loss scaling on its gradient shards).
+"""Sharded data parallelism on fastpar's DDP buckets: ``ShardedOptimizer`` (ZeRO-1: optimizer state / world size;
+ZeRO-2 with ``shard_gradients=True``: gradients too) and ``ShardedGradScaler`` (loss scaling on its gradient shards).
 
 It plugs into the reducer through the bucket collective seam (``fastpar.ddp``): each bucket is reduce-scattered
 instead of all-reduced, each rank steps its shard, and the parameters are all-gathered back.

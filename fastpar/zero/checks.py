@@ -40,7 +40,7 @@ def refuse_incompatible_model(model: object, shard_gradients: object) -> None:
 
     if not isinstance(shard_gradients, bool):
         raise TypeError(f"shard_gradients must be True (ZeRO-2) or False (ZeRO-1), got {shard_gradients!r}")
-    stage = "ZeRO-2 (shard_gradients=True)" if shard_gradients else "ZeRO-1"
+    stage = "ZeRO-2, shard_gradients=True" if shard_gradients else "ZeRO-1"
     if not isinstance(model, DistributedDataParallel):
         hint = ""
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):

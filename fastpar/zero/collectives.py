@@ -10,7 +10,8 @@ each rank's ``param_flat`` slice reaches every rank):
   received, in gloo's ring order (gloo_order.py) -- so the sums have the bits of torch DDP's all-reduce.
   gloo's own reduce-scatter is several times slower than its all-reduce (measured: 155 vs 33 ms for 24 MB
   at 2 ranks); the exchange moves the same bytes as half an all-reduce. The peers' slices land in a
-  scratch buffer of ``(p - 1) / p`` of the bucket, kept per bucket (buckets are in flight together).
+  scratch buffer of ``(p - 1) / p`` of the bucket, kept per bucket (buckets are in flight together; at
+  stage 2 lent with the bucket's buffer by the pool instead, sharded_gradients.py).
   On CPU the messages are posted by a background thread (p2p_posting.py says why).
 
 ``"auto"``: p2p on gloo and on fastpar's shared-memory backend (whose all-reduce sums in gloo's ring order, so

@@ -10,20 +10,16 @@ an allocator would see (before fragmentation and the caching allocator's reserve
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .optimizer import ShardedOptimizer
 
 __all__ = ["MEMORY_KEYS", "measure_memory"]
 
 MEMORY_KEYS = ("parameters", "gradients", "optimizer_state", "gradient_pool", "total")
 
 
-def measure_memory(optimizer: ShardedOptimizer) -> dict[str, int]:
-    """``{key: bytes}`` for :data:`MEMORY_KEYS` (see :meth:`ShardedOptimizer.memory_report`)."""
+def measure_memory(optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """``{key: bytes}`` for :data:`MEMORY_KEYS` of a ``ShardedOptimizer`` (see its ``memory_report``)."""
     seen: set[tuple[str, int]] = set()
 
     def count(tensors: Iterable[torch.Tensor | None]) -> int:

@@ -73,7 +73,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``exchange``: ``"auto"`` (point-to-point on gloo and the fastpar backend, collectives on NCCL), ``"p2p"`` or ``"collective"``.
     ``shard_gradients``: ZeRO-2. After a bucket's reduce-scatter this rank keeps only its shard of the reduced
     gradient (1/N of the bucket); full-size buffers exist only for the buckets in flight (a pool of
-    ``POOL_CAPACITY`` buffers per dtype, each the size of the largest bucket). What ``p.grad`` holds:
+    ``fastpar.zero.gradient_pool.POOL_CAPACITY`` (3) buffers per dtype, each the size of the largest bucket).
+    What ``p.grad`` holds:
 
     - after a synchronised backward: None for every parameter in a bucket, at both stages -- the reduced gradient
       is in :meth:`shard_grads` (at stage 2 autograd's full-size ``.grad`` is dropped when its bucket launches,
@@ -83,7 +84,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
       holding the gathered reduced gradient, released bucket by bucket as that backward launches them.
 
     Gradients are never bucket views at stage 2, so ``fastpar.DistributedDataParallel(...,
-    gradient_as_bucket_view=True)`` is refused with it.
+    gradient_as_bucket_view=True)`` is refused with it. :meth:`memory_report` measures what this rank holds.
+
     Build it before training (it moves the parameters into flat buffers) and call ``step()``,
     ``zero_grad()``, ``state_dict()`` and ``load_state_dict()`` on every rank.
     """

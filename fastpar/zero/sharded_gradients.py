@@ -29,8 +29,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..ddp.waiting import BucketWaiter
 from ..ddp.errors import StuckBucketDiagnoser, pg_timeout_seconds
+from ..ddp.waiting import BucketWaiter
 from .collectives import ZeroCollective
 from .gradient_pool import BufferPool
 from .layout import ShardedBucket, build_sharded_buckets

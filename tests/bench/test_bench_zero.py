@@ -1,5 +1,6 @@
-"""``fastpar bench zero`` end to end on a tiny model: every variant checked against torch DDP before timing,
-optimizer state measured per rank, goal lines printed. No timing is asserted."""
+"""``fastpar bench zero`` end to end on a tiny model: every variant (ZeRO-1 and ZeRO-2 among them) checked against
+torch DDP before timing, optimizer state and gradient bytes measured per rank, goal lines printed. No timing is
+asserted."""
 
 from __future__ import annotations
 
@@ -18,8 +19,16 @@ def test_zero_benchmark_reports_state_per_rank_and_goals(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "goal: tiny: zero_fastpar optimizer state per rank <= 1.00x (1/N of unsharded + one bucket)" in printed
     assert "zero_fastpar step <= 1.05x ddp_fastpar" in printed and "zero_fastpar step <= 0.90x zero_torch" in printed
+    assert "zero2_fastpar step <= 1.05x zero_fastpar" in printed
     data = json.loads(out.read_text())
-    assert [r["variant"] for r in data["rows"]] == ["no_comm", "ddp", "ddp_fastpar", "zero_torch", "zero_fastpar"]
+    assert [r["variant"] for r in data["rows"]] == [
+        "no_comm",
+        "ddp",
+        "ddp_fastpar",
+        "zero_torch",
+        "zero_fastpar",
+        "zero2_fastpar",
+    ]
     assert all(r["step_ms"] > 0 for r in data["rows"])
     state = data["summary"]["state_bytes_per_rank"]["tiny"]
     unsharded, sharded = state["ddp_fastpar"], state["zero_fastpar"]
@@ -27,10 +36,20 @@ def test_zero_benchmark_reports_state_per_rank_and_goals(tmp_path, capsys):
     # 4 x Linear(64, 64): 16,640 parameters, AdamW's two fp32 moments + a step per tensor
     assert unsharded[0] == 16_640 * 8 + 8 * 4
     assert all(s < unsharded[0] / 2 + 1024 for s in sharded)  # half, plus padding and one step per bucket
+    assert state["zero2_fastpar"] == sharded  # ZeRO-2 shards the same optimizer state
+    grads = data["summary"]["grad_bytes_per_rank"]["tiny"]
+    pool = data["summary"]["zero2_pool_bytes_per_rank"]["tiny"]
+    assert grads["ddp_fastpar"] == [16_640 * 4] * 2  # every .grad, in its bucket
+    assert all(g >= 16_640 * 4 for g in grads["zero_fastpar"])  # ZeRO-1: the whole gradient buckets (+ scratch)
+    assert all(0 < g - p <= 16_640 * 4 / 2 + 1024 for g, p in zip(grads["zero2_fastpar"], pool, strict=True))
     goals = {g["name"]: g for g in data["summary"]["goals"]}
     state = goals["tiny: zero_fastpar optimizer state per rank <= 1.00x (1/N of unsharded + one bucket)"]
     assert state["met"] is True and state["value"] <= 1.0 and state["flagged"] is False
-    assert len(goals) == 3 and data["summary"]["goals_met"] == all(g["met"] for g in goals.values())
+    grad_goal = goals[
+        "tiny: zero2_fastpar gradients per rank <= 1.00x (1/N of the model's + the pool of buckets in flight)"
+    ]
+    assert grad_goal["met"] is True and grad_goal["flagged"] is False
+    assert len(goals) == 5 and data["summary"]["goals_met"] == all(g["met"] for g in goals.values())
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""ZeRO follows torch's gradient semantics where they are easy to get wrong with sharded gradients, bit for bit
-against torch's DDP with the unsharded optimizer in the same run (torch DDP on gloo; ZeRO on gloo or the fastpar
-backend, 2 and 3 ranks):
+"""ZeRO (stages 1 and 2) follows torch's gradient semantics where they are easy to get wrong with sharded
+gradients, bit for bit against torch's DDP with the unsharded optimizer in the same run (torch DDP on gloo; ZeRO
+on gloo or the fastpar backend, 2 and 3 ranks):
 
 - several synchronised backwards before one ``step()`` add up (no ``no_sync``): each backward adds onto the
   reduced gradient, as autograd adds onto DDP's ``.grad``;
@@ -48,7 +48,7 @@ def _rank(rank: int, world_size: int) -> dict:
     outcome = {}
     for name, (kind, ddp_args, backwards, steps) in CASES.items():
         params = {}
-        for impl in ("torch", "zero"):
+        for impl in ("torch", "zero", "zero2"):
             torch.manual_seed(0)
             module = MODELS[kind]()
             if impl == "torch":
@@ -56,11 +56,16 @@ def _rank(rank: int, world_size: int) -> dict:
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
             else:
                 model = fastpar.DDP(module, **ddp_args)
-                optimizer = fastpar.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+                optimizer = fastpar.ShardedOptimizer(
+                    model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, shard_gradients=impl == "zero2"
+                )
             _train(model, optimizer, kind, backwards, steps, rank)
             state = model.module.state_dict()  # waits for ZeRO's last all-gather
             params[impl] = {n: state[n].clone() for n, _ in module.named_parameters()}
-        outcome[name] = [n for n in params["torch"] if not torch.equal(params["torch"][n], params["zero"][n])]
+        for stage in ("zero", "zero2"):
+            outcome[f"{name} ({stage})"] = [
+                n for n in params["torch"] if not torch.equal(params["torch"][n], params[stage][n])
+            ]
     return outcome
 
 

@@ -193,3 +193,54 @@ def test_a_rank_that_never_arrives_is_named_without_hanging(where, collective):
     assert time.monotonic() - start < 60
     assert "rank 0 of 2 failed" in message and "BucketTimeoutError" in message
     assert collective in message and "rank(s) [1] never reached it" in message
+
+
+def test_stage_two_refuses_what_cannot_shard_gradients(group):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    with pytest.raises(TypeError, match=r"\(ZeRO-2, shard_gradients=True\) needs a fastpar.*torch's Distributed"):
+        fastpar.ShardedOptimizer(
+            torch.nn.parallel.DistributedDataParallel(mlp()), torch.optim.SGD, shard_gradients=True
+        )
+    with pytest.raises(ValueError, match="gradients cannot be bucket views.*Leave gradient_as_bucket_view unset"):
+        fastpar.ShardedOptimizer(
+            fastpar.DDP(mlp(), gradient_as_bucket_view=True), torch.optim.SGD, shard_gradients=True
+        )
+    with pytest.raises(TypeError, match="shard_gradients must be True"):
+        fastpar.ShardedOptimizer(fastpar.DDP(mlp()), torch.optim.SGD, shard_gradients="yes")
+    hooked = fastpar.DDP(mlp())
+    hooked.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(RuntimeError, match="cannot install a ShardedOptimizer with shard_gradients=True.*comm hook"):
+        fastpar.ShardedOptimizer(hooked, torch.optim.SGD, shard_gradients=True)
+
+
+def test_what_grad_holds_at_stage_two(group):
+    module = mlp()
+    reference = copy.deepcopy(module)
+    reference_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    model = fastpar.DDP(module)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = fastpar.ShardedOptimizer.from_optimizer(model, plain, shard_gradients=True)
+    assert opt.stage == 2 and fastpar.ShardedOptimizer(fastpar.DDP(mlp()), torch.optim.SGD, lr=0.1).stage == 1
+    x = torch.linspace(-1, 1, 8).reshape(2, 4)
+    for step in range(2):
+        reference_opt.zero_grad()
+        reference(x * (step + 1)).square().sum().backward()
+        local = [p.grad.clone() for p in reference.parameters()]
+        reference(x).square().sum().backward()
+        reference(x - 1).square().sum().backward()
+        reference_opt.step()
+        opt.zero_grad()
+        with model.no_sync():
+            model(x * (step + 1)).square().sum().backward()
+        # under no_sync: this rank's own gradient, full size, in .grad
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), local, strict=True))
+        model(x).square().sum().backward()  # synchronised: reduced into the shards, .grad dropped
+        model(x - 1).square().sum().backward()  # another synchronised backward adds onto the reduced gradient
+        assert all(p.grad is None for p in model.parameters())
+        assert sum(g.numel() for g in opt.shard_grads()) >= sum(p.numel() for p in model.parameters())
+        opt.step()
+    state = model.module.state_dict()
+    assert all(torch.equal(state[n], p) for n, p in reference.named_parameters())
+    report = opt.memory_report()
+    assert report["gradient_pool"] > 0 and report["gradients"] >= report["gradient_pool"]

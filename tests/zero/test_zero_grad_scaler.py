@@ -1,4 +1,4 @@
-"""Loss scaling under ZeRO: ``fastpar.ShardedGradScaler`` with ``ShardedOptimizer`` gives torch DDP + AdamW +
+"""Loss scaling under ZeRO: ``fastpar.ShardedGradScaler`` with ``ShardedOptimizer`` (stages 1 and 2) gives torch DDP + AdamW +
 ``torch.amp.GradScaler`` bit for bit -- unscaling and the inf check on the shards, the skipped step on every rank
 when one rank's batch overflows, the same scale after every ``update()`` -- with and without ``unscale_`` before
 clipping, on spawned gloo ranks (2 and 3)."""
@@ -22,7 +22,7 @@ def _rank(rank: int, world_size: int, clip: bool) -> dict:
 
     warnings.filterwarnings("ignore")
     out = {}
-    for impl in ("torch", "zero"):
+    for impl in ("torch", "zero", "zero2"):
         torch.manual_seed(0)
         module = MLP()
         scaler_args = {"init_scale": 2.0**10, "growth_interval": 2}
@@ -32,7 +32,9 @@ def _rank(rank: int, world_size: int, clip: bool) -> dict:
             scaler = torch.amp.GradScaler("cpu", **scaler_args)
         else:
             model = fastpar.DDP(module, bucket_cap_mb=0.002)  # several buckets, shards cut parameters
-            optimizer = fastpar.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+            optimizer = fastpar.ShardedOptimizer(
+                model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, shard_gradients=impl == "zero2"
+            )
             scaler = fastpar.ShardedGradScaler("cpu", **scaler_args)
         gen = torch.Generator().manual_seed(100 + rank)
         scales, norms = [], []
@@ -44,7 +46,7 @@ def _rank(rank: int, world_size: int, clip: bool) -> dict:
             scaler.scale(model(x).square().mean()).backward()
             if clip:
                 scaler.unscale_(optimizer)
-                if impl == "zero":
+                if impl != "torch":
                     norms.append(optimizer.clip_grad_norm_(0.05).item())
                 else:
                     norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
@@ -65,13 +67,15 @@ def _rank(rank: int, world_size: int, clip: bool) -> dict:
 @pytest.mark.parametrize("clip", [False, True], ids=["step", "unscale_then_clip"])
 def test_sharded_grad_scaler_matches_torch_ddp_with_grad_scaler(world_size, clip):
     for rank, out in enumerate(spawn(_rank, world_size, clip, timeout=300)):
-        torch_run, zero_run = out["torch"], out["zero"]
+        torch_run = out["torch"]
         assert torch_run["scales"][OVERFLOW_STEP] == torch_run["scales"][OVERFLOW_STEP - 1] / 2  # the step was skipped
-        assert zero_run["scales"] == torch_run["scales"], f"rank {rank}"
-        assert list(map(repr, zero_run["norms"])) == list(map(repr, torch_run["norms"])), f"rank {rank}"  # nan too
-        differ = [
-            i
-            for i, (a, b) in enumerate(zip(torch_run["params"], zero_run["params"], strict=True))
-            if not torch.equal(a, b)
-        ]
-        assert differ == [], f"rank {rank}: parameters {differ} differ from torch DDP + GradScaler"
+        for stage in ("zero", "zero2"):
+            zero_run, where = out[stage], f"rank {rank}, {stage}"
+            assert zero_run["scales"] == torch_run["scales"], where
+            assert list(map(repr, zero_run["norms"])) == list(map(repr, torch_run["norms"])), where  # nan too
+            differ = [
+                i
+                for i, (a, b) in enumerate(zip(torch_run["params"], zero_run["params"], strict=True))
+                if not torch.equal(a, b)
+            ]
+            assert differ == [], f"{where}: parameters {differ} differ from torch DDP + GradScaler"

@@ -1,6 +1,7 @@
 """ZeRO checkpoints: the full optimizer state gathered on rank 0 is the plain optimizer's state (same keys,
 values and strides, bit for bit); a plain optimizer loads it; the sharded optimizer loads a plain
-optimizer's state; a state gathered on 2 ranks continues on 3. Every continuation equals the unsharded run."""
+optimizer's state; a state gathered on 2 ranks continues on 3. Every continuation equals the unsharded run.
+At ZeRO stages 1 and 2 (``shard_gradients=True``)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _differences(a: dict, b: dict) -> list[str]:
     return problems
 
 
-def _two_ranks(rank: int, world_size: int) -> dict:
+def _two_ranks(rank: int, world_size: int, stage: int) -> dict:
     import sys
     import warnings
 
@@ -44,11 +45,12 @@ def _two_ranks(rank: int, world_size: int) -> dict:
     from zero_training import build, resume_case, train_steps
 
     warnings.filterwarnings("ignore")
-    plain_model, plain = build("torch", KIND, OPT, **BUILD)
+    build_args = {**BUILD, "shard_gradients": stage == 2}  # torch's runs leave it aside
+    plain_model, plain = build("torch", KIND, OPT, **build_args)
     train_steps(
         "torch", plain_model, plain, KIND, torch.Generator().manual_seed(100 + rank), rank, 10, channels_last=True
     )
-    model, sharded = build("zero", KIND, OPT, **BUILD)
+    model, sharded = build("zero", KIND, OPT, **build_args)
     train_steps("zero", model, sharded, KIND, torch.Generator().manual_seed(100 + rank), rank, 10, channels_last=True)
 
     gathered = sharded.state_dict()  # collective: the full state lands on rank 0
@@ -71,13 +73,14 @@ def _two_ranks(rank: int, world_size: int) -> dict:
         "sharded_loads_gathered": ("zero", full),
     }
     out["continued"] = {
-        name: resume_case(rank, impl, KIND, OPT, model_state, state, **BUILD) for name, (impl, state) in runs.items()
+        name: resume_case(rank, impl, KIND, OPT, model_state, state, **build_args)
+        for name, (impl, state) in runs.items()
     }
     out["full"], out["model"] = full, model_state
     return out
 
 
-def _three_ranks(rank: int, world_size: int, model_state: dict, full: dict) -> dict:
+def _three_ranks(rank: int, world_size: int, model_state: dict, full: dict, stage: int) -> dict:
     import sys
     import warnings
 
@@ -85,12 +88,16 @@ def _three_ranks(rank: int, world_size: int, model_state: dict, full: dict) -> d
     from zero_training import resume_case
 
     warnings.filterwarnings("ignore")
-    return {impl: resume_case(rank, impl, KIND, OPT, model_state, full, **BUILD) for impl in ("torch", "zero")}
+    build_args = {**BUILD, "shard_gradients": stage == 2}
+    return {impl: resume_case(rank, impl, KIND, OPT, model_state, full, **build_args) for impl in ("torch", "zero")}
 
 
-@pytest.fixture(scope="module")
-def saved_on_two_ranks():
-    return spawn(_two_ranks, 2, timeout=900)
+@pytest.fixture(scope="module", params=[1, 2], ids=["zero1", "zero2"])
+def saved_on_two_ranks(request):
+    results = spawn(_two_ranks, 2, request.param, timeout=900)
+    for result in results:
+        result["stage"] = request.param
+    return results
 
 
 def _equal(a: dict, b: dict) -> bool:
@@ -114,7 +121,7 @@ def test_every_continuation_equals_the_unsharded_run(saved_on_two_ranks, run):
 
 def test_state_saved_on_two_ranks_continues_on_three(saved_on_two_ranks):
     saved = saved_on_two_ranks[0]
-    results = spawn(_three_ranks, 3, saved["model"], saved["full"], timeout=900)
+    results = spawn(_three_ranks, 3, saved["model"], saved["full"], saved["stage"], timeout=900)
     for rank, result in enumerate(results):
         assert _equal(result["torch"], result["zero"]), f"rank {rank}: the 3-rank continuation differs"
         assert _equal(results[0]["zero"], result["zero"])

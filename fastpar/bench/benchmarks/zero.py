@@ -1,5 +1,5 @@
-"""``fastpar bench zero``: ZeRO-1 -- optimizer state per rank and step time of fastpar's ShardedOptimizer
-against torch's ZeroRedundancyOptimizer and unsharded DDP.
+"""``fastpar bench zero``: ZeRO-1 and ZeRO-2 -- optimizer state and gradient bytes per rank and step time of
+fastpar's ShardedOptimizer against torch's ZeroRedundancyOptimizer and unsharded DDP.
 
 One step = ``zero_grad`` + forward + backward + AdamW step (lr 1e-3, weight decay 0.01), loss
 ``out.square().mean()``, on the ``fastpar bench ddp`` models (``mlp``, ``blocks``; ``tiny`` for smoke tests).
@@ -9,12 +9,16 @@ Variants, interleaved in rounds on the same ranks:
   ddp            torch DistributedDataParallel + AdamW: the peer without sharding
   ddp_fastpar    fastpar.DistributedDataParallel + AdamW: what ZeRO must not be slower than
   zero_torch     torch DDP + torch.distributed.optim.ZeroRedundancyOptimizer(AdamW): the peer with sharding
-  zero_fastpar   fastpar.DistributedDataParallel + fastpar.ShardedOptimizer(AdamW)
+  zero_fastpar   fastpar.DistributedDataParallel + fastpar.ShardedOptimizer(AdamW): ZeRO-1
+  zero2_fastpar  the same with shard_gradients=True: ZeRO-2
 
 Before timing every variant takes one step on the same batch on every rank; its parameters must then equal
-torch DDP's bit for bit (no_comm: within rounding). Optimizer state bytes are measured on every rank. On CPU
-ranks each timed zero_fastpar step includes waiting for its all-gather (see ``Trainee.timed_step``). A variant
-faster than no_comm is flagged, and a goal that compares it is IMPOSSIBLE.
+torch DDP's bit for bit (no_comm: within rounding). Optimizer state bytes and gradient bytes are measured on
+every rank after that step: the storage of every ``.grad`` and, for fastpar, of the gradient buckets, shards,
+pool and exchange scratch (``ShardedOptimizer.memory_report()``); torch's DDP also holds its own buckets, which
+Python cannot see, so its gradient bytes are a lower bound. On CPU ranks each timed zero_fastpar step includes
+waiting for its all-gather (see ``Trainee.timed_step``). A variant faster than no_comm is flagged, and a goal
+that compares it is IMPOSSIBLE.
 """
 
 from __future__ import annotations
@@ -41,15 +45,26 @@ from .training_step import (
     step_header,
 )
 
-DESCRIPTION = "ZeRO-1: optimizer state per rank and step time, fastpar sharded vs torch ZeroRedundancyOptimizer vs DDP"
+DESCRIPTION = (
+    "ZeRO-1/2: optimizer state and gradients per rank and step time, fastpar sharded vs torch "
+    "ZeroRedundancyOptimizer vs DDP"
+)
 USES = {"nproc"}
 DEFAULTS = {"iters": 2, "warmup": 1, "rounds": 5}
-VARIANTS = ("no_comm", "ddp", "ddp_fastpar", "zero_torch", "zero_fastpar")
+VARIANTS = ("no_comm", "ddp", "ddp_fastpar", "zero_torch", "zero_fastpar", "zero2_fastpar")
 LR, WEIGHT_DECAY = 1e-3, 0.01
 STATE_PER_RANK = Goal("zero_fastpar optimizer state per rank", "(1/N of unsharded + one bucket)", 1.0, AT_MOST)
 STEP_VS_UNSHARDED = Goal("zero_fastpar step", "ddp_fastpar", 1.05, AT_MOST)
 STEP_VS_TORCH_ZERO = Goal("zero_fastpar step", "zero_torch", 0.90, AT_MOST)
-STEP_GOALS = ((STEP_VS_UNSHARDED, "zero_fastpar", "ddp_fastpar"), (STEP_VS_TORCH_ZERO, "zero_fastpar", "zero_torch"))
+STEP_ZERO2_VS_ZERO1 = Goal("zero2_fastpar step", "zero_fastpar", 1.05, AT_MOST)
+GRADS_PER_RANK = Goal(
+    "zero2_fastpar gradients per rank", "(1/N of the model's + the pool of buckets in flight)", 1.0, AT_MOST
+)
+STEP_GOALS = (
+    (STEP_VS_UNSHARDED, "zero_fastpar", "ddp_fastpar"),
+    (STEP_VS_TORCH_ZERO, "zero_fastpar", "zero_torch"),
+    (STEP_ZERO2_VS_ZERO1, "zero2_fastpar", "zero_fastpar"),
+)
 
 
 @dataclass(frozen=True)
@@ -87,7 +102,13 @@ class Trainee:
             if variant == "ddp_fastpar":
                 self.optimizer = _adamw(self.model.parameters())
             else:
-                self.sharded = ShardedOptimizer(self.model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
+                self.sharded = ShardedOptimizer(
+                    self.model,
+                    torch.optim.AdamW,
+                    lr=LR,
+                    weight_decay=WEIGHT_DECAY,
+                    shard_gradients=variant == "zero2_fastpar",
+                )
                 self.optimizer = self.sharded
 
     def step(self, x: torch.Tensor) -> None:
@@ -117,6 +138,15 @@ class Trainee:
             v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
         )
 
+    def grad_bytes(self) -> tuple[int, int]:
+        """(bytes of gradient memory this rank holds now, of which in ZeRO-2's pool), each storage counted once."""
+        if self.sharded is not None:
+            report = self.sharded.memory_report()
+            return report["gradients"], report["gradient_pool"]
+        tensors = [p.grad for p in self.model.parameters() if p.grad is not None]  # fastpar DDP: its bucket views
+        storages = {(str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values()), 0
+
     def largest_bucket_numel(self) -> int:
         return max(zb.bucket.numel for zb in self.sharded._sharded) if self.sharded is not None else 0
 
@@ -144,6 +174,10 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: ZeroSett
         check_batch = torch.randn(settings.batch, width, generator=torch.Generator().manual_seed(1)).to(device)
         check_one_step(trainees, check_batch, _tolerance, model_name)
         memory[model_name] = {v: _per_rank(t.state_bytes(), device) for v, t in trainees.items()}
+        grads = {v: t.grad_bytes() for v, t in trainees.items()}
+        memory[model_name]["_grads"] = {v: _per_rank(g[0], device) for v, g in grads.items()}
+        memory[model_name]["_pool"] = _per_rank(grads["zero2_fastpar"][1], device)
+        memory[model_name]["_buckets"] = len(trainees["zero2_fastpar"].sharded._sharded)
         memory[model_name]["_bucket"] = trainees["zero_fastpar"].largest_bucket_numel()
         memory[model_name]["_numel"] = sum(p.numel() for p in trainees["ddp"].model.parameters())
         batch = torch.randn(settings.batch, width, generator=torch.Generator().manual_seed(100 + rank)).to(device)
@@ -171,6 +205,24 @@ def _state_goal(model_name: str, mem: dict, world_size: int) -> Verdict:
     return STATE_PER_RANK.check(worst / limit, scope=model_name, detail=detail)
 
 
+def _grads_goal(model_name: str, mem: dict, world_size: int) -> Verdict:
+    """ZeRO-2's gradient bytes on each rank against 1/N of the model's fp32 gradient + that rank's pool (+ at most
+    one padding element per bucket)."""
+    model = mem["_numel"] * 4
+    padding = 4 * mem["_buckets"]
+    ratios = [
+        g / (model / world_size + pool + padding)
+        for g, pool in zip(mem["_grads"]["zero2_fastpar"], mem["_pool"], strict=True)
+    ]
+    worst = max(range(len(ratios)), key=ratios.__getitem__)
+    grads, pool = mem["_grads"]["zero2_fastpar"][worst], mem["_pool"][worst]
+    detail = (
+        f"rank {worst}: {grads / 2**20:.2f} MiB, limit {model / 2**20:.2f}/{world_size} + pool {pool / 2**20:.2f} MiB; "
+        f"ZeRO-1 {max(mem['_grads']['zero_fastpar']) / 2**20:.2f} MiB"
+    )
+    return GRADS_PER_RANK.check(ratios[worst], scope=model_name, detail=detail)
+
+
 def _report(ctx: BenchContext, settings: ZeroSettings, world_size: int, seconds: dict, memory: dict) -> BenchReport:
     rows, footer, goals = [], [], []
     for model_name, times in seconds.items():
@@ -188,22 +240,27 @@ def _report(ctx: BenchContext, settings: ZeroSettings, world_size: int, seconds:
                     x_ddp_fastpar=t / times["ddp_fastpar"],
                     state_mib=max(mem[variant]) / 2**20,
                     per_rank=" ".join(f"{b / 2**20:.2f}" for b in mem[variant]),
+                    grad_mib=max(mem["_grads"][variant]) / 2**20,
+                    grads_per_rank=" ".join(f"{b / 2**20:.2f}" for b in mem["_grads"][variant]),
                 )
             )
         flags = floor_flags(model_name, times)
         footer += [f"beyond a bound: {flag}" for flag in flags.values()]
         goals.append(_state_goal(model_name, mem, world_size))
+        goals.append(_grads_goal(model_name, mem, world_size))
         for goal, ours, theirs in STEP_GOALS:
             goals.append(goal.check(times[ours] / times[theirs], scope=model_name, flag=pair_flag(flags, ours, theirs)))
-    # one state column: every rank's MiB (the JSON rows also carry state_mib, the largest)
+    # one state and one gradient column: every rank's MiB (the JSON rows also carry the largest)
     per_rank_width = 2 + max([len("state MiB per rank"), *(len(r["per_rank"]) for r in rows)])  # 2: a clear gap
+    grads_width = 2 + max([len("grad MiB per rank"), *(len(r["grads_per_rank"]) for r in rows)])
     return BenchReport(
         benchmark="zero",
-        title=f"ZeRO-1 optimizer state and step time, {world_size} ranks",
+        title=f"ZeRO-1 and ZeRO-2: optimizer state, gradients and step time, {world_size} ranks",
         columns=[
-            *step_columns(13),
+            *step_columns(14),
             Column("x_ddp_fastpar", "x ddp_fastpar", 14, ".2f", "x"),
             Column("per_rank", "state MiB per rank", per_rank_width, unit="MiB"),
+            Column("grads_per_rank", "grad MiB per rank", grads_width, unit="MiB"),
         ],
         rows=rows,
         header=step_header(
@@ -217,6 +274,8 @@ def _report(ctx: BenchContext, settings: ZeroSettings, world_size: int, seconds:
         summary={
             "step_ms": {m: {v: t * 1e3 for v, t in s.items()} for m, s in seconds.items()},
             "state_bytes_per_rank": {m: {v: mem[v] for v in VARIANTS} for m, mem in memory.items()},
+            "grad_bytes_per_rank": {m: mem["_grads"] for m, mem in memory.items()},
+            "zero2_pool_bytes_per_rank": {m: mem["_pool"] for m, mem in memory.items()},
         },
         plot=PlotSpec("bar", "variant", "x_floor", series="model", ylabel="step time / no-communication step"),
     )
