@@ -54,10 +54,13 @@ def fully_shard_model(
     - ``reshard_after_forward``: free each unit's gathered parameters after its forward (``True``: least
       memory, one more all-gather per unit in backward), keep them (``False``: ZeRO-2-like memory, fewer
       collectives), or an ``int``: reshard to groups of that many ranks (a divisor of the group size).
-      The root unit is never resharded after forward when this is ``True`` (backward starts with it).
+      With ``True`` the root and the last unit (in registration order) keep their parameters after forward:
+      backward starts with them, so resharding them would only gather them again.
     - ``device``: where the shards live; default: the model's device, else the current CUDA device on
       NCCL, else the CPU.
     - ``init_fn``: ``init_fn(module)`` for every module after ``reset_parameters()``, as ``model.apply`` calls it.
+    - on gloo, gradients are reduce-scattered as an all-reduce and a slice (:mod:`.gloo_reduce_scatter`):
+      faster there, and the same sums bit for bit.
     - ``prefetch``: all-gather the next ``prefetch`` units explicitly while one unit computes, forward and
       backward, in the units' registration order (0: torch's implicit backward prefetch only).
 
@@ -105,11 +108,20 @@ def fully_shard_model(
     # The output dtype applies where the model's output leaves: between units activations stay in the compute
     # dtype (a unit whose output were cast back would hand the next unit inputs its parameters don't match).
     unit_policy = dataclasses.replace(policy, output_dtype=None)
-    for unit in inner:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=unit_policy)
+    for i, unit in enumerate(inner):
+        # The last unit's backward follows its forward at once: resharding it would only gather it again.
+        keep = reshard_after_forward is True and i == len(inner) - 1
+        fully_shard(
+            unit, mesh=mesh, reshard_after_forward=False if keep else reshard_after_forward, mp_policy=unit_policy
+        )
     # torch's default for the root (None) keeps it gathered after forward: backward needs it first.
     root_reshard = None if reshard_after_forward is True else reshard_after_forward
     fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policy)
+    if dist.get_backend(group) == "gloo":
+        from .gloo_reduce_scatter import AllReduceThenSlice
+
+        for unit in [*inner, model]:
+            unit.set_custom_reduce_scatter(AllReduceThenSlice())
     if on_meta:
         materialize_shards(model, device, init_fn=init_fn, group=group)
     if prefetch:

@@ -88,3 +88,39 @@ def test_meta_building_equals_eager_building_and_never_holds_the_model():
         bound = model_bytes // world + largest_module + 4096
         assert r["peak_meta"] <= bound, f"rank {rank}: {r['peak_meta']} bytes alive at once, over {bound}: {r}"
         assert "table" in r["refused"] and "init_fn" in r["refused"], f"rank {rank}: {r['refused']!r}"
+
+
+def _cuda_rank(rank: int, world: int) -> dict:
+    import fsdp_training as ft
+
+    from fastpar.shard import build_eager, fully_shard_model
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    meta = fully_shard_model(WithBuffers, wrap="auto", seed=3, init_fn=ft.gpt_style_init, mixed_precision="bf16")
+    eager = fully_shard_model(
+        build_eager(WithBuffers, device=device, seed=3, init_fn=ft.gpt_style_init), mixed_precision="bf16"
+    )
+    losses = []
+    for model in (meta, eager):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            tokens = torch.randint(0, 30, (8,), generator=torch.Generator().manual_seed(step + 10 * rank))
+            loss = model(tokens.to(device)).square().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+    return {
+        "device": str(next(meta.parameters()).device),
+        "params": ft.differing(ft.full_parameters(meta), ft.full_parameters(eager)),
+        "losses": all(torch.equal(x, y) for x, y in zip(losses[:3], losses[3:], strict=True)),
+    }
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_meta_building_on_cuda_with_nccl():
+    world = min(torch.cuda.device_count(), 2)
+    for rank, r in enumerate(spawn(_cuda_rank, world, backend="nccl", timeout=300)):
+        assert r["device"].startswith("cuda"), r
+        assert r["params"] == [] and r["losses"], f"rank {rank}: meta-built on CUDA differs from eager-built: {r}"
