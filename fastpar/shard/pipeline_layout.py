@@ -39,14 +39,15 @@ def pipeline_layout(stages: int, group: dist.ProcessGroup | None = None) -> Pipe
     pp_rank, dp_rank = divmod(me, dp)
     pipelines = [tuple(ranks[p * dp + d] for p in range(stages)) for d in range(dp)]
     replicas = [tuple(ranks[p * dp + d] for d in range(dp)) for p in range(stages)]
+    backend = dist.get_backend(group)  # the new groups run on the caller's backend, not the default group's
     pp_group = dp_group = None
     for members in pipelines:
         # one pipeline spanning the whole group is that group (no second communicator for the same ranks)
-        made = group if len(members) == len(ranks) else dist.new_group(list(members))
+        made = group if len(members) == len(ranks) else dist.new_group(list(members), backend=backend)
         if members == pipelines[dp_rank]:
             pp_group = made
     for members in replicas:
-        made = group if len(members) == len(ranks) else dist.new_group(list(members))
+        made = group if len(members) == len(ranks) else dist.new_group(list(members), backend=backend)
         if members == replicas[pp_rank]:
             dp_group = made
     return PipelineLayout(stages, dp, pp_rank, dp_rank, pp_group, dp_group, pipelines[dp_rank], replicas[pp_rank])

@@ -83,17 +83,25 @@ def _default_device(group: dist.ProcessGroup) -> torch.device:
 
 def _agreed(fn: Callable[[], object], group: dist.ProcessGroup, device: torch.device):
     """``fn()`` run on the group's rank 0 and broadcast: every rank gets the same value, or raises the same
-    error (so no rank goes on alone into the first step's send)."""
+    error (so no rank goes on alone into the first step's send, or waits for a rank that failed)."""
     box: list[object] = [None]
+    failure: BaseException | None = None
     if dist.get_rank(group) == 0:
         try:
             box[0] = ("ok", fn())
         except PipelineConfigError as exc:
-            box[0] = ("error", str(exc))
+            box[0] = ("refused", str(exc))
+        except Exception as exc:  # e.g. a layer that fails on the example: tell the other ranks, then raise it
+            failure = exc
+            box[0] = ("failed", f"{type(exc).__name__}: {exc}")
     dist.broadcast_object_list(box, group_src=0, group=group, device=device)
     status, value = box[0]
-    if status == "error":
+    if failure is not None:
+        raise failure
+    if status == "refused":
         raise PipelineConfigError(value)
+    if status == "failed":
+        raise RuntimeError(f"pipeline_model: group rank 0 failed while measuring the layers on the example: {value}")
     return value
 
 

@@ -182,3 +182,37 @@ def _bad_split_rank(rank: int, world: int) -> str:
 def test_a_bad_split_is_refused_on_every_rank_before_the_first_step():
     messages = spawn(_bad_split_rank, 2, timeout=300)
     assert all("increasing layer indices" in m for m in messages), messages
+
+
+@pytest.fixture
+def one_rank_group(no_process_group):
+    import torch.distributed as dist
+
+    from fastpar.launcher import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+
+
+def test_a_step_batch_the_stages_were_not_built_for_is_refused(one_rank_group):
+    import fastpar.shard as shard
+
+    x, y = torch.randn(8, 12), torch.randn(8, 6)
+    model = build("mlp")
+    pipelined = shard.pipeline_model(model, stages=1, loss_fn=nn.functional.mse_loss, microbatches=4, example_input=x)
+    with pytest.raises(PipelineConfigError, match="do not split into 4 equal microbatches.*drop_last=True"):
+        pipelined.step(torch.randn(6, 12), torch.randn(6, 6))
+    with pytest.raises(PipelineConfigError, match=r"built for batches of shape \[8, 12\].*got \[12, 12\]"):
+        pipelined.step(torch.randn(12, 12), torch.randn(12, 6))
+    # one stage is the one-process loop itself: same loss and gradients, bit for bit
+    loss = pipelined.step(x, y)
+    reference = build("mlp")
+    total = None
+    for xm, ym in zip(x.tensor_split(4), y.tensor_split(4), strict=True):
+        part = nn.functional.mse_loss(reference(xm), ym) / 4
+        part.backward()
+        total = part.detach() if total is None else total + part.detach()
+    assert torch.equal(loss, total)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(pipelined.parameters(), reference.parameters(), strict=True))
+    nbytes = 4 * sum(p.numel() for p in model.parameters())
+    assert shard.pipeline_memory_report(pipelined) == {"parameters": nbytes, "gradients": nbytes}
