@@ -24,10 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 import torch  # noqa: E402
-from strategy_measure import measure_rank, slowest_rank_medians, spec_of  # noqa: E402
+from strategy_measure import measure_rank, measured_profile, slowest_rank_medians, spec_of  # noqa: E402
 
 from fastpar.costmodel.memory_planner import plan  # noqa: E402
 from fastpar.costmodel.model_probe import ProbeResult, probe  # noqa: E402
+from fastpar.costmodel.perf_profile import Profile  # noqa: E402
 from fastpar.costmodel.strategy_time import optimizer_seconds_per_element  # noqa: E402
 from fastpar.launcher import spawn  # noqa: E402
 
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "strategies": strategies,
         "warmup": 2,
         "rounds": args.rounds,
+        "collective_bytes": [1 << 16, 1 << 20, 1 << 22, 1 << 24],
     }
     load_before = os.getloadavg()
     results = spawn(measure_rank, 2, config, timeout=1800)
@@ -107,13 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     correction = steps["local"] / floor
     corrected = plan(spec, probe_result=scaled(measured, correction), **plan_args)
     corrected_step = {e.label: e.step_s for e in corrected.estimates}
+    wire = measured_profile(results, Profile.load(ROOT / "bench" / "results" / "profile-cpu-2rank-mlp.json"))
+    both = plan(spec, probe_result=scaled(measured, correction), profile=wire, **plan_args)
+    both_step = {e.label: e.step_s for e in both.estimates}
     print(
         f"compute floor: predicted {floor * 1e3:.1f} ms, measured in the rounds {steps['local'] * 1e3:.1f} ms "
-        f"(x{correction:.2f}); 'corr' = the prediction with the compute measured in the rounds"
+        f"(x{correction:.2f}); 'corr': the prediction with the compute measured in the rounds; "
+        "'corr+wire': and the collectives timed in the rounds"
     )
     print(
         f"{'strategy':<22}{'state pred':>12}{'state meas':>12}{'ratio':>7}{'step pred ms':>14}{'step meas ms':>14}"
-        f"{'ratio':>7}{'corr ms':>9}{'ratio':>7}"
+        f"{'ratio':>7}{'corr ms':>9}{'ratio':>7}{'corr+wire':>11}{'ratio':>7}"
     )
     for e in predicted.estimates:
         if e.label not in strategies:
@@ -127,12 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             "step_predicted_s": e.step_s,
             "step_measured_s": steps[e.label],
             "step_predicted_corrected_s": corrected_step[e.label],
+            "step_predicted_corrected_wire_s": both_step[e.label],
         }
         rows.append(row)
         print(
             f"{e.label:<22}{e.memory.model_state:>12}{measured_state:>12}{e.memory.model_state / measured_state:>7.3f}"
             f"{e.step_s * 1e3:>14.1f}{steps[e.label] * 1e3:>14.1f}{e.step_s / steps[e.label]:>7.2f}"
             f"{corrected_step[e.label] * 1e3:>9.1f}{corrected_step[e.label] / steps[e.label]:>7.2f}"
+            f"{both_step[e.label] * 1e3:>11.1f}{both_step[e.label] / steps[e.label]:>7.2f}"
         )
     ddp = next(e for e in predicted.estimates if e.strategy == "ddp")
     peak = profiled_activation_peak(model, args.batch_size)
@@ -152,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                     "activations_profiled_peak": peak,
                     "load": [load_before, load_after],
                     "compute_floor": {"predicted_s": floor, "measured_s": steps["local"]},
+                    "collectives_in_rounds": wire.to_json()["collectives"],
                     "plan": predicted.to_json(),
                 },
                 indent=1,

@@ -43,6 +43,8 @@ __all__ = ["STRATEGIES", "Plan", "StrategyEstimate", "parse_bytes", "plan", "pla
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "pipeline")
 DTYPES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 DEFAULT_HEADROOM = 0.10
+ASSUMED_GPU_FLOPS = 200e12  # planning for GPUs from a CPU host: ~half an H100's dense bf16 peak (stated in notes)
+GPU_MEMORY_BYTES_PER_S = 2e12  # HBM bandwidth an elementwise optimizer step reaches (assumed, H100-class)
 TIE = 0.03  # step predictions this close are not told apart (the step time model's own spread is wider)
 _MB = 1 << 20
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -90,7 +92,8 @@ class Plan:
     """What :func:`plan` found. ``choice``: the fastest strategy that fits (None when none does; ``advice`` then
     says what would, ``suggestions`` the same as ``{"devices": n, "batch_size": b, "param_dtype": "bf16"}``);
     ``choice_options``: its options (``{"reshard_after_forward": ...}`` for fsdp,
-    ``{"stages", "schedule", "microbatches", "split"}`` for pipeline, ``{}`` otherwise)."""
+    ``{"stages", "schedule", "microbatches", "split"}`` for pipeline (``split``: the layer indices where
+    stages 1.. begin), ``{}`` otherwise)."""
 
     model: str
     devices: int
@@ -188,6 +191,7 @@ def plan(
     probe_batch: int = 2,
     probe_result: ProbeResult | None = None,
     threads: int | None = None,
+    device_flops: float | None = None,
 ) -> Plan:
     """Per-device bytes and predicted step time of each strategy for ``spec`` on ``devices`` devices of
     ``device_memory`` bytes (None: the smallest GPU NVML reports); ``batch_size`` samples per device of
@@ -195,7 +199,8 @@ def plan(
     ``profile`` (a path or :class:`Profile`) / ``fabric`` (a preset name or :class:`Fabric`) price the
     collectives. ``threads``: torch threads while timing compute on CPU (default: the host's cores shared by
     ``devices`` CPU ranks, as the launcher gives each rank). Returns a :class:`Plan` whose ``choice`` is the
-    fastest strategy that fits."""
+    fastest strategy that fits. ``device_flops``: FLOP/s one device sustains; compute is then a FLOP count at
+    that rate (the default when planning for GPUs with none here: :data:`ASSUMED_GPU_FLOPS`)."""
     _check(devices, batch_size, param_dtype, reduce_dtype, optimizer, strategies, headroom)
     memory = _device_memory(device_memory)
     usable = int(memory * (1 - headroom))
@@ -204,12 +209,26 @@ def plan(
     if not any(layer.numel for layer in layers):
         raise UserError(f"{spec.describe} has no parameters; nothing to plan")
     on_gpu = torch.device(device).type == "cuda"
-    probe_device = device if (on_gpu and torch.cuda.is_available()) or not on_gpu else "cpu"
+    gpu_here = on_gpu and torch.cuda.is_available()
+    probe_device = device if gpu_here or not on_gpu else "cpu"
+    if on_gpu and not gpu_here and device_flops is None:
+        device_flops = ASSUMED_GPU_FLOPS
     with _threads(None if on_gpu else threads or max(1, (os.cpu_count() or 1) // devices)):
         measured = probe_result or probe(
-            spec, batch_size=min(probe_batch, batch_size), seq_len=seq_len, device=probe_device
+            spec,
+            batch_size=min(probe_batch, batch_size),
+            seq_len=seq_len,
+            device=probe_device,
+            flops_per_s=device_flops,
         )
         opt_s = optimizer_seconds_per_element(optimizer, probe_device)
+    if on_gpu and not gpu_here:
+        # an elementwise step is memory-bound: parameter read + write, gradient read, each state read + write
+        opt_s = (3 + 2 * OPTIMIZER_STATE[optimizer][0]) * DTYPES[param_dtype] / GPU_MEMORY_BYTES_PER_S
+    notes = []
+    if on_gpu and measured.on_meta and spec.quadratic_is_sdpa and any(measured.act_quadratic):
+        measured = replace(measured, act_quadratic=[0.0] * len(measured.act_quadratic))
+        notes.append("attention's L x L tensors (meta device: math path) left out: GPUs run flash attention")
     sizes = DtypeSizes(
         param=DTYPES[param_dtype],
         reduce=DTYPES[reduce_dtype or param_dtype],
@@ -225,7 +244,12 @@ def plan(
             estimates.append(context.estimate(strategy, options, batch_size))
     best = _pick(estimates)
     advice, suggestions = ("", {}) if best else _advice(context, estimates, batch_size, strategies)
-    notes = list(measured.notes)
+    notes = measured.notes + notes
+    if on_gpu and not gpu_here:
+        notes.append(
+            f"no GPU here: compute = FLOPs at {device_flops:.3g} FLOP/s per device (--device-flops), "
+            f"optimizer = HBM traffic at {GPU_MEMORY_BYTES_PER_S:.3g} B/s (assumed)"
+        )
     if sizes.param == 2:
         notes.append(
             "activations of a 16-bit model scaled from the fp32 forward measured (floating-point tensors x 0.5)"

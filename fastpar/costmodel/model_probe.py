@@ -48,7 +48,8 @@ class ProbeResult:
     forward_fixed_s: list[float]  # per step whatever the batch (Python and launch overheads)
     backward_fixed_s: list[float]
     seq_len: int | None  # the length the times were measured at
-    method: str  # "measured on cpu" / "meta device + FLOP count"
+    method: str
+    on_meta: bool = False  # activations from shapes on the meta device (attention through torch's math path)  # "measured on cpu" / "meta device + FLOP count"
     notes: list[str] = field(default_factory=list)
 
     def activation_bytes(self, batch: float, seq_len: int | None) -> list[float]:
@@ -190,7 +191,9 @@ def probe(
     materialize_limit_bytes: int = 2 << 30,
     flops_per_s: float | None = None,
 ) -> ProbeResult:
-    """Measure ``spec``'s activations and compute on a batch of ``batch_size`` (kept small: 1-2 samples)."""
+    """Measure ``spec``'s activations and compute on a batch of ``batch_size`` (kept small: 1-2 samples).
+    ``flops_per_s``: time the compute as FLOPs at this rate instead of with a clock (planning for a device
+    that is not here)."""
     device = torch.device(device)
     # the caller's random streams stay as they were (the Trainer plans between seeding and its first step)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -235,7 +238,7 @@ def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per
             act_lin.append(b2 / l2 - q * l2)
     notes = []
     fixed = (0.0, 0.0)
-    if real:
+    if real and flops_per_s is None:
         # two batch sizes, interleaved, so a fixed cost per step is not scaled with the batch
         sizes = [batch_size] if spec.fixed_batch is not None else [batch_size, 2 * batch_size]
         batches = {b: spec.batch(module, b, seq_len, device) for b in sizes}
@@ -262,11 +265,11 @@ def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per
         batch_size = top
         method = f"measured on {torch.device(device).type}"
     else:
-        spans, fwd, bwd, rate = _flop_times(spec, module, layers, batch_size, seq_len, flops_per_s, device)
-        method = "meta device + FLOP count"
-        notes.append(
-            f"model too large to build here ({fp32_bytes / 2**30:.1f} GiB fp32): compute = FLOPs / {rate:.3g}/s"
-        )
+        where = device if real else "meta"
+        spans, fwd, bwd, rate = _flop_times(spec, module, layers, batch_size, seq_len, flops_per_s, where)
+        method = ("measured activations" if real else "meta device") + f" + FLOP count at {rate:.3g} FLOP/s"
+        if not real:
+            notes.append(f"model too large to build here ({fp32_bytes / 2**30:.1f} GiB fp32): activations from shapes")
     spans = spans + [0.0] * (rows - len(spans))
     share = [s / sum(spans) if sum(spans) > 0 else 1.0 / rows for s in spans]
     return ProbeResult(
@@ -281,6 +284,7 @@ def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per
         backward_fixed_s=[fixed[1] * s for s in share],
         seq_len=seq_len,
         method=method,
+        on_meta=not real,
         notes=notes,
     )
 
@@ -288,7 +292,7 @@ def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per
 def _flop_times(spec, module, layers, batch_size, seq_len, flops_per_s, device):
     from torch.utils.flop_counter import FlopCounterMode
 
-    rate = flops_per_s or matmul_flops_per_s(device if torch.device(device).type != "meta" else "cpu")
+    rate = flops_per_s or matmul_flops_per_s("cpu" if torch.device(device).type == "meta" else device)
     counter = FlopCounterMode(display=False)
     per_layer = [0.0] * len(layers)
     marks = {}
@@ -304,8 +308,10 @@ def _flop_times(spec, module, layers, batch_size, seq_len, flops_per_s, device):
         )
     try:
         with counter:
-            batch = spec.batch(module, batch_size, seq_len, "meta")
-            loss = spec.loss_of(_call(module, batch), batch)
+            batch = spec.batch(module, batch_size, seq_len, device)
+            # the sum stands for the loss: its FLOPs are negligible, and torch's decomposition of
+            # cross_entropy under a dispatch mode mixes meta and cpu tensors
+            loss = _input_tensors(_call(module, batch))[0].float().sum()
             forward_flops = counter.get_total_flops()
             loss.backward()
             total = counter.get_total_flops()

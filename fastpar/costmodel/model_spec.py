@@ -87,6 +87,9 @@ class ModelSpec:
     seq_len: int | None = None
     loss: Callable[[Any, Any], torch.Tensor] | None = None
     fixed_batch: int | None = None  # from_module: the given batch's size, the only one it can make
+    # every activation quadratic in the length comes from scaled_dot_product_attention, which GPUs run with
+    # flash/memory-efficient kernels that keep none (the meta device runs the math path, which keeps L x L)
+    quadratic_is_sdpa: bool = False
     _layers: list[Layer] | None = field(default=None, repr=False)
 
     # -- ways to name a model -------------------------------------------------------------------------
@@ -105,6 +108,7 @@ class ModelSpec:
             describe="transformer " + ",".join(f"{k}={v}" for k, v in kwargs.items()),
             seq_len=seq_len,
             loss=ReferenceTransformer.loss,
+            quadratic_is_sdpa=True,
         )
 
     @classmethod

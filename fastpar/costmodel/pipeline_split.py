@@ -4,7 +4,8 @@ A pipeline of S stages takes S devices; ``N / S`` such pipelines run data-parall
 the batch its S devices would have had under data parallelism (``batch_size * S``), split into M
 microbatches. The cut points balance the measured forward + backward time per layer (contiguous
 stages, the largest stage time minimised by dynamic programming, exact); the schedule and M are those
-with the fastest predicted step that fits, per stage count.
+with the fastest predicted step that fits, per stage count. An option's ``split`` lists the layer indices
+where stages 1.. begin (as ``fastpar.shard.pipeline_model(split=...)`` takes them).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def balanced_split(costs: Sequence[float], stages: int) -> list[int]:
 def stage_internals(context: Any, options: dict, batch_size: int) -> dict:
     """What the memory and time models need for one pipeline option at ``batch_size`` per device."""
     stages, m = options["stages"], options["microbatches"]
-    starts = list(options["split"]) + [len(context.layers)]
+    starts = [0, *options["split"], len(context.layers)]  # split: where stages 1.. begin
     members = [list(range(a, b)) for a, b in pairwise(starts)]
     micro = batch_size * stages / m
     acts = context.activations(micro)
@@ -91,7 +92,7 @@ def pipeline_options(
         counts = [m for m in counts if 1 <= m <= global_batch and global_batch % m == 0]
         rows = [
             context.estimate(
-                "pipeline", {"stages": s, "schedule": sched, "microbatches": m, "split": split}, batch_size
+                "pipeline", {"stages": s, "schedule": sched, "microbatches": m, "split": split[1:]}, batch_size
             )
             for sched in schedules
             for m in counts

@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--schedules", default="1f1b,gpipe", help="pipeline schedules to consider")
     p.add_argument("--microbatches", default=None, help="pipeline microbatch counts to consider, e.g. 4,8")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="what the ranks train on")
+    p.add_argument("--device-flops", type=float, default=None, help="FLOP/s per device (compute as a FLOP count)")
     p.add_argument("--profile", default=None, help="a 'fastpar bench calibrate' profile pricing the collectives")
     p.add_argument(
         "--fabric", default=None, help="a fabric preset pricing the collectives (see fastpar bench simulate)"
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             profile=args.profile,
             fabric=args.fabric,
             headroom=args.headroom,
+            device_flops=args.device_flops,
         )
     except ValueError as exc:  # an option the planner refuses (stages that don't divide the devices, ...)
         raise UserError(str(exc)) from None

@@ -3,7 +3,8 @@
 ``comm(op, nbytes, ranks)`` in seconds for ``allreduce``, ``reducescatter``, ``allgather`` and ``p2p``
 (one message of ``nbytes`` between two ranks, priced as a two-rank all-gather of twice the bytes: each rank
 then sends exactly ``nbytes``). A profile's contention factors (CPU ranks: compute and gloo's threads share
-cores) come with it; a fabric has none (GPUs).
+cores), its copy bandwidth (``pack_s_per_byte``: a torch ``copy_``, what FSDP2's buffers cost) and fastpar
+DDP's averaging pass (``unpack_s_per_byte``) come with it; a fabric has none (GPUs: copies in HBM are left out).
 """
 
 from __future__ import annotations
@@ -56,7 +57,11 @@ def comm_model(*, profile: Any = None, fabric: Any = None, on_gpu: bool = False)
             fn = tables[op].get(ranks) or tables[op].setdefault(ranks, profile.comm(ranks, op))
             return float(fn(nbytes))
 
+        copy_gbs = profile.moves_gbs.get("torch_pack")  # a torch copy_ of gradient bytes, as measured
+        average_gbs = profile.moves_gbs.get("fastpar_unpack")  # fastpar DDP's averaging pass over its buckets
         costs = SyncCosts(
+            pack_s_per_byte=1.0 / (copy_gbs * 1e9) if copy_gbs else 0.0,
+            unpack_s_per_byte=1.0 / (average_gbs * 1e9) if average_gbs else 0.0,
             compute_slowdown=profile.contention.get("compute_slowdown", 0.0),
             wire_slowdown=profile.contention.get("wire_slowdown", 0.0),
         )

@@ -4,12 +4,15 @@ priced by a calibrated profile or a fabric (collective_costs) and overlapped as 
 - ``ddp``: backward with each bucket all-reduced as it fills -- the step simulator (step_simulator.py) with
   the gradients ready at the end of their layer's measured backward; then the optimizer over all parameters.
 - ``zero1`` / ``zero2``: the same with a reduce-scatter per bucket; the optimizer over 1/N; the all-gather of
-  the updated shards runs under the next forward (each module waits for its bucket).
+  the updated shards runs under the next forward (each module waits for its bucket). On CPU ranks ZeRO
+  exchanges the shards point to point (gloo's own reduce-scatter is slower): each way the bytes of half an
+  all-reduce, priced so.
 - ``fsdp``: per unit (the repeated layers; the rest is the root unit) an all-gather before its forward and,
-  when resharded after forward, again before its backward, and a reduce-scatter of its gradients after it.
-  The wire runs one collective at a time, the next unit's gather prefetched while this one computes --
-  in backward always, in forward only on GPUs (on CPU ranks FSDP2's forward has nothing to overlap with:
-  it issues the next gather when that unit's forward starts).
+  when resharded after forward, again before its backward (not the last unit, which stays gathered), and a
+  reduce-scatter of its gradients after it, each with FSDP2's copies into and out of the flat buffers
+  (priced at the profile's copy bandwidth). On GPUs the wire runs one collective at a time under the
+  compute, the next unit's gather prefetched while this one computes; on CPU ranks the collectives and the
+  compute share the cores, so they are taken one after the other.
 - ``pipeline``: M microbatches through S stages: (M + S - 1) slots of the slowest stage's forward + backward
   of one microbatch and its two point-to-point messages (the bubble is (S - 1) / (M + S - 1) of it), then
   the stage's gradients all-reduced across its dp = N / S replicas and its optimizer step.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from statistics import median
 
 import torch
@@ -113,18 +117,29 @@ def strategy_step_seconds(
         timeline = _timeline(layers, backward, reduce_itemsize)
         timeline = StepTimeline(timeline.grads, timeline.backward_s, sum(forward), 0.0)
         buckets = size_capped_buckets(timeline.grads, [caps[0], caps[1]]) if timeline.grads else []
-        op = "allreduce" if strategy == "ddp" else "reducescatter"
-        sim = simulate_step(timeline, buckets, lambda b: comm(op, b, n), costs) if buckets else None
+        if strategy == "ddp":
+            wire = lambda b: comm("allreduce", b, n)  # noqa: E731
+        elif on_gpu:
+            wire = lambda b: comm("reducescatter", b, n)  # noqa: E731
+        else:  # ZeRO's point-to-point exchange on CPU ranks moves the bytes of half an all-reduce, either way
+            wire = lambda b: comm("allreduce", b, n) / 2  # noqa: E731
+        # gradients are bucket views (nothing packed); DDP averages each bucket after it, ZeRO only its shard
+        sync = replace(
+            costs, pack_s_per_byte=0.0, unpack_s_per_byte=costs.unpack_s_per_byte if strategy == "ddp" else 0.0
+        )
+        sim = simulate_step(timeline, buckets, wire, sync) if buckets else None
         backward_and_sync = sim.sync_end_s if sim else timeline.backward_s
         if strategy == "ddp":
             return sum(forward) + backward_and_sync + optimizer_s_per_element * numel
-        gather = sum(comm("allgather", numel * param_itemsize / len(buckets), n) for _ in buckets) if buckets else 0.0
+        sizes = {g.index: g.nbytes * param_itemsize // reduce_itemsize for g in timeline.grads}
+        gather_one = (lambda b: comm("allgather", b, n)) if on_gpu else wire
+        gather = sum(gather_one(sum(sizes[i] for i in members)) for members in buckets)
         forward_s = _overlapped(sum(forward), gather, costs)
         return forward_s + backward_and_sync + optimizer_s_per_element * numel / n
     if strategy == "fsdp":
-        return _fsdp_seconds(layers, forward, backward, n, comm, param_itemsize, reduce_itemsize, on_gpu, options) + (
-            optimizer_s_per_element * numel / n
-        )
+        return _fsdp_seconds(
+            layers, forward, backward, n, comm, param_itemsize, reduce_itemsize, on_gpu, options, costs
+        ) + (optimizer_s_per_element * numel / n)
     if strategy == "pipeline":
         return _pipeline_seconds(layers, forward, backward, n, comm, reduce_itemsize, optimizer_s_per_element, options)
     raise ValueError(f"unknown strategy {strategy!r}")
@@ -141,36 +156,53 @@ class _Wire:
         return self.free
 
 
-def _fsdp_seconds(layers, forward, backward, n, comm, param_itemsize, reduce_itemsize, on_gpu, options) -> float:
+def _fsdp_seconds(layers, forward, backward, n, comm, param_itemsize, reduce_itemsize, on_gpu, options, costs):
     units = [i for i, layer in enumerate(layers) if layer.repeated and layer.numel]
     first, last = (units[0], units[-1]) if units else (len(layers), -1)
     root = [i for i in range(len(layers)) if i not in units]
     root_numel = sum(layers[i].numel for i in root)
-    gather = {u: comm("allgather", layers[u].numel * param_itemsize, n) for u in units}
-    scatter = {u: comm("reducescatter", layers[u].numel * reduce_itemsize, n) for u in units}
+    copy = costs.pack_s_per_byte  # FSDP2 copies shards into the gather buffer and out of it, grads likewise
+
+    def gathered(numel: int) -> tuple[float, float]:  # (wire, copies) of one unit's all-gather
+        nbytes = numel * param_itemsize
+        return comm("allgather", nbytes, n), nbytes * (1 + 1 / n) * copy
+
+    def scattered(numel: int) -> tuple[float, float]:
+        nbytes = numel * reduce_itemsize
+        return comm("reducescatter", nbytes, n), nbytes * (1 + 1 / n) * copy
+
     reshard = options.get("reshard_after_forward", True)
     wire = _Wire()
     # forward: the root unit gathered first, then each unit's gather (under the previous unit on GPUs)
-    now = wire.run(0.0, comm("allgather", root_numel * param_itemsize, n))
+    w, c = gathered(root_numel)
+    now = wire.run(0.0, w) + c
     now += sum(forward[i] for i in root if i < first)
     previous_start = now
     for u in units:
-        arrived = wire.run(previous_start if on_gpu else now, gather[u])
+        w, c = gathered(layers[u].numel)
+        arrived = wire.run(previous_start if on_gpu else now, w) + c
         previous_start = max(now, arrived)
         now = previous_start + forward[u]
     now += sum(forward[i] for i in root if i > last)
-    # backward: the root's layers after the units first; each unit's gather issued as the one after it starts
+    # backward: the root's layers after the units first; the last unit stayed gathered after forward (fastpar's
+    # fully_shard_model keeps it); each other unit's gather issued as the unit after it starts (GPUs: under it)
     now += sum(backward[i] for i in root if i > last)
     order = list(reversed(units))
-    arrived = {order[0]: wire.run(now, gather[order[0]])} if reshard and order else {}
+    arrived: dict[int, float] = {}
     for k, u in enumerate(order):
         start = max(now, arrived.get(u, 0.0))
         if reshard and k + 1 < len(order):
-            arrived[order[k + 1]] = wire.run(start, gather[order[k + 1]])
+            w, c = gathered(layers[order[k + 1]].numel)
+            arrived[order[k + 1]] = wire.run(start, w) + c
+            if not on_gpu:  # CPU ranks: the gather and this backward share the cores; taken one after the other
+                start = arrived[order[k + 1]]
         now = start + backward[u]
-        wire.run(now, scatter[u])
+        w, c = scattered(layers[u].numel)
+        done = wire.run(now, w) + c
+        now = now + c if on_gpu else done
     now += sum(backward[i] for i in root if i < first)
-    return wire.run(now, comm("reducescatter", root_numel * reduce_itemsize, n))
+    w, c = scattered(root_numel)
+    return wire.run(now, w) + c
 
 
 def _pipeline_seconds(layers, forward, backward, n, comm, reduce_itemsize, optimizer_s_per_element, options) -> float:

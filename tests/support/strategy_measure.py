@@ -78,7 +78,7 @@ class _Engine:
             from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
             layers = model_layers(module)
-            starts = list(options["split"]) + [len(layers)]
+            starts = [0, *options["split"], len(layers)]
             mine = nn.Sequential(*(layers[i][1] for i in range(starts[rank], starts[rank + 1])))
             self.model = mine
             stage = PipelineStage(mine, rank, world, torch.device("cpu"))
@@ -139,23 +139,70 @@ def measure_rank(rank: int, world: int, config: dict) -> dict:
         for _ in range(config.get("warmup", 1)):
             engine.step(ids)
     times = {label: [] for label in engines}
+    sizes = config.get("collective_bytes", [])
+    wire = {(op, n): [] for op in _COLLECTIVES for n in sizes}
     for _ in range(config.get("rounds", 0)):
         for label, engine in engines.items():
             dist.barrier()
             t0 = time.perf_counter()
             engine.step(ids)
             times[label].append(time.perf_counter() - t0)
-    return {label: {"bytes": e.bytes(), "step_s": times[label]} for label, e in engines.items()}
+        for (op, n), seconds in wire.items():  # the collectives, under the load of the same rounds
+            dist.barrier()
+            seconds.append(_collective(op, n, world))
+    out = {label: {"bytes": e.bytes(), "step_s": times[label]} for label, e in engines.items()}
+    out["collectives"] = {f"{op}:{n}": v for (op, n), v in wire.items()}
+    return out
+
+
+_COLLECTIVES = ("allreduce", "reducescatter", "allgather")
+
+
+def _collective(op: str, nbytes: int, world: int) -> float:
+    """Seconds of one ``op`` of ``nbytes`` (as nccl-tests counts them: the larger buffer)."""
+    big = torch.ones(nbytes // 4)
+    small = torch.empty(big.numel() // world)
+    t0 = time.perf_counter()
+    if op == "allreduce":
+        dist.all_reduce(big)
+    elif op == "reducescatter":
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(small, big)
+    else:
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(big, small)
+    return time.perf_counter() - t0
 
 
 def slowest_rank_medians(results: list[dict]) -> dict[str, float]:
     """Per strategy, the median step over rounds of the slowest rank in each round."""
-    labels = results[0].keys()
+    labels = [label for label in results[0] if label != "collectives"]
     out = {}
     for label in labels:
         rounds = zip(*(r[label]["step_s"] for r in results), strict=True)
         out[label] = median(max(r) for r in rounds) if results[0][label]["step_s"] else float("nan")
     return out
+
+
+def measured_profile(results: list[dict], shipped):
+    """A :class:`Profile` of the collectives timed in the rounds (slowest rank's medians), with ``shipped``'s
+    contention factors (measuring those takes minutes)."""
+    from fastpar.costmodel.perf_profile import CollectiveTable, Profile
+
+    tables = {}
+    for key in results[0]["collectives"]:
+        op, n = key.split(":")
+        rounds = zip(*(r["collectives"][key] for r in results), strict=True)
+        t = median(max(r) for r in rounds)
+        tables.setdefault(op, ([], []))
+        tables[op][0].append(int(n))
+        tables[op][1].append(t)
+    return Profile(
+        backend="gloo",
+        device="cpu",
+        world_size=len(results),
+        collectives={op: CollectiveTable(list(x), list(t)) for op, (x, t) in tables.items()},
+        contention=dict(shipped.contention),
+        meta={"created": "measured in the rounds"},
+    )
 
 
 def spec_of(model_kwargs: dict) -> ModelSpec:
