@@ -258,7 +258,7 @@ class PipelineStrategy(DcpStrategy):
             schedule = planned.get("schedule", schedule)
         split: Any = "auto"  # measured and balanced by pipeline_model
         if planned.get("split") is not None and planned.get("stages") == stages:
-            split = list(planned["split"])[1:]  # the plan lists every stage's first layer; the first is 0
+            split = list(planned["split"])  # where stages 1.. begin, as pipeline_model takes it
         self.pipeline = pipeline_model(
             build_model(job.model).to(device),
             stages=stages,
