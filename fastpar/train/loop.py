@@ -77,11 +77,9 @@ class Run:
             device=device,
             cache_dir=opts.data_cache_dir,  # object-store data: a local cache shared by the ranks
         )
-        name, plan_options, example = opts.strategy, {}, None
-        if world_size > 1 and (name == "auto" or opts.memory_budget is not None):
+        name, plan_options, example = opts.strategy if world_size > 1 else "ddp", {}, None  # one process: no shards
+        if name == "auto" or opts.memory_budget is not None:
             name, plan_options = self._plan(name)
-        elif name == "auto":
-            name = "ddp"  # one process: nothing to shard
         if name == "pipeline" and world_size > 1:
             example = self._example_batch()
         _seed_everything(opts.seed)  # identical initial weights on every rank
