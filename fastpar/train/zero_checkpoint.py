@@ -61,8 +61,9 @@ def zero_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
                 if key in elementwise:
                     offset = zb.start + a - slot.offset
                     entry[key] = sharded.flat_pieces(value[a:b], offset, _owners(zb, slot), slot.numel)
-                elif key in shared:
-                    entry[key] = shared[key]
+            # the parameter's own shared state: a slice whose parameters stepped apart keeps it per parameter
+            # only (the slice's state may then have no ``step`` at all)
+            entry.update(shared)
             state[names[id(slot.param)]] = entry
     return {"state": state, "param_groups": _groups(optimizer, names)}
 
