@@ -9,8 +9,8 @@ of it), allocated on first use and recycled every backward -- so a rank's gradie
 large CPU allocations are returned to the OS and faulted in again page by page (and on GPUs the caching
 allocator would keep them anyway).
 
-Who may hold a buffer and when is the collective's business (sharded_gradients.py): it lends one to the next
-bucket to launch and, when none is free, first completes the oldest bucket in flight.
+Who may hold a buffer and when is the collective's business (sharded_gradients.py): it lends one to a bucket when
+the reducer first stages a gradient into it and, when none is free, first completes the oldest bucket in flight.
 """
 
 from __future__ import annotations

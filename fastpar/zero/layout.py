@@ -47,12 +47,8 @@ class ShardedBucket:
         self.comm_dtype = bucket.comm_flat.dtype  # what the exchange moves (bf16 when reducing in bf16)
         if shard_gradients:  # the reduced shard outlives the bucket's (pooled) full-size buffer
             self.grad_shard = torch.zeros(self.shard_numel, dtype=bucket.dtype, device=self.param_flat.device)
-            bucket.comm_flat = self.placeholder = _placeholder(bucket)  # lent by the pool while in flight
-            for slot in bucket.slots:
-                slot.comm_view = None
         else:
             self.grad_shard = bucket.grad_flat.narrow(0, self.start, self.shard_numel)
-            self.placeholder = None
         self.buffer = None  # stage 2: the pool's buffer this bucket holds while in flight
         self.sum_ranges: list[SumRange] = []
         self.scratch: torch.Tensor | None = None  # the peers' contributions (point-to-point exchange)
@@ -97,10 +93,39 @@ class ShardedBucket:
         self.sum_ranges = shard_sum_ranges(pieces, (self.start, self.end), self.world_size, itemsize)
 
 
-def _placeholder(bucket: Bucket) -> torch.Tensor:
-    """What a stage-2 bucket's ``comm_flat`` is while not in flight: its size and dtype, no memory (the DDP logger
-    reports bucket sizes from it), and a write into it fails instead of landing anywhere."""
-    return torch.empty(bucket.numel, dtype=bucket.comm_flat.dtype, device="meta")
+class PooledBucket(Bucket):
+    """A stage-2 bucket without a buffer of its own: the first time a backward reads its ``comm_flat`` (the reducer,
+    about to stage a gradient into it, on arrival or at launch) ``lend(bucket)`` lends it one of the pool's; once
+    the reduced shard is copied out it is given back. Between, ``comm_flat`` is ``placeholder``: the bucket's size
+    and dtype on the meta device -- no memory, and a write into it fails instead of landing anywhere."""
+
+    __slots__ = ("lend", "placeholder")
+
+    def __init__(self, index: int, slots: list[ParamSlot], comm_dtype: torch.dtype | None, pad_to: int) -> None:
+        self.lend = self.placeholder = None
+        super().__init__(index, slots, False, comm_dtype, pad_to)  # allocates a comm_flat, dropped at once
+        allocated = Bucket.comm_flat.__get__(self)
+        self.placeholder = torch.empty(self.numel, dtype=allocated.dtype, device="meta")
+        self.comm_flat = self.placeholder
+        for slot in slots:
+            slot.comm_view = None
+
+    @property
+    def comm_flat(self) -> torch.Tensor:
+        flat = Bucket.comm_flat.__get__(self)
+        if flat is self.placeholder and self.lend is not None:
+            self.lend(self)  # sets comm_flat (and the slots' comm_view)
+            flat = Bucket.comm_flat.__get__(self)
+        return flat
+
+    @comm_flat.setter
+    def comm_flat(self, value: torch.Tensor) -> None:
+        Bucket.comm_flat.__set__(self, value)
+
+    @property
+    def nbytes(self) -> int:
+        """What the collective moves (the DDP logger reports it between steps: without lending a buffer)."""
+        return self.numel * self.placeholder.element_size()
 
 
 @torch.no_grad()
@@ -137,9 +162,8 @@ def build_sharded_buckets(
 ) -> list[ShardedBucket]:
     """ZeRO buckets from a layout: each bucket of ``assignment`` split by parameter group (``group_of[slot
     index]``; members keep their order), padded, with the parameters moved into ``param_flat``. Stage 1:
-    gradients live in bucket views (every ``.grad`` present now is moved there). Stage 2: no full-size
-    gradient buffer is kept (the bucket's ``comm_flat``, allocated by the reducer's constructor, is dropped
-    at once: at most one bucket's worth exists at a time while building)."""
+    gradients live in bucket views (every ``.grad`` present now is moved there). Stage 2: :class:`PooledBucket`
+    (no full-size gradient buffer of its own)."""
     split: list[list[int]] = []
     groups: list[int] = []
     for members in assignment:
@@ -148,9 +172,12 @@ def build_sharded_buckets(
             by_group.setdefault(group_of[i], []).append(i)
         split.extend(by_group.values())
         groups.extend(by_group)
-    sharded = []
-    for members, group in zip(split, groups, strict=True):
-        (bucket,) = build_buckets(slots, [members], not shard_gradients, grad_dtype, pad_to=world_size)
-        bucket.index = len(sharded)
-        sharded.append(ShardedBucket(bucket, group, rank, world_size, shard_gradients))
-    return sharded
+    if not shard_gradients:
+        buckets = build_buckets(slots, split, True, grad_dtype, pad_to=world_size)
+    else:
+        buckets = []
+        for index, members in enumerate(split):
+            members_slots = [slots[i] for i in members]
+            narrow = grad_dtype if members_slots[0].param.dtype == torch.float32 else None  # build_buckets' rule
+            buckets.append(PooledBucket(index, members_slots, narrow, world_size))
+    return [ShardedBucket(b, g, rank, world_size, shard_gradients) for b, g in zip(buckets, groups, strict=True)]

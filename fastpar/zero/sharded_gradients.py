@@ -3,18 +3,17 @@
 What lives where, per rank:
 
 - ``zb.grad_shard`` (persistent, 1/N of the bucket): the reduced gradient this rank's optimizer steps.
-- ``bucket.comm_flat`` (full size): lent by the pool (gradient_pool.py) from just before the bucket is
-  staged until its reduce-scatter is complete and the shard copied out. The next bucket to launch is
-  lent one when the previous one launches (the first at the start of backward); when the pool has none
-  free, the oldest bucket in flight is completed first (wait, sum, copy out) -- so at most the pool's
-  capacity of buckets is in flight, and backward waits only when the network falls that far behind.
-- ``p.grad``: autograd writes a fresh gradient; the reducer copies it into ``comm_flat`` (times 1/N) when
-  the bucket launches, and the gradient is dropped then (set to None), so the full-size gradients of
-  launched buckets are gone before backward ends. After a synchronised backward every reduced parameter's
-  ``.grad`` is None (as at stage 1). Under ``no_sync`` ``.grad`` accumulates locally, full size, as in DDP.
-
-Gradients cannot be bucket views at stage 2 (that is a full-size buffer per bucket), so the reducer never
-copies a gradient on arrival: a bucket has no buffer until it is the next to launch.
+- ``bucket.comm_flat`` (full size): lent by the pool (gradient_pool.py) when the reducer first stages a
+  gradient into the bucket in a backward (a large gradient on arrival, the rest at the bucket's launch:
+  layout.PooledBucket), until its reduce-scatter is complete and the shard copied out. When the pool has
+  none free, the oldest bucket in flight is completed first (wait, sum, copy out) -- so at most the pool's
+  capacity of buckets is staged or in flight, and backward waits only when the network falls that far
+  behind (the pool grows only when every buffer is lent to a bucket still being filled).
+- ``p.grad``: autograd writes a fresh gradient; the reducer copies it into ``comm_flat`` (times 1/N), and
+  it is dropped (set to None) when its bucket launches, so the full-size gradients of launched buckets are
+  gone before backward ends. After a synchronised backward every reduced parameter's ``.grad`` is None (as
+  at stage 1). Under ``no_sync`` ``.grad`` accumulates locally, full size, as in DDP: gradients cannot be
+  bucket views at stage 2 (that is a full-size buffer per bucket).
 
 Another synchronised backward before ``zero_grad`` adds onto the reduced gradient, as autograd adds onto
 DDP's ``.grad``: the shards are gathered back into temporary full-size buffers (one per bucket, the model's
@@ -61,13 +60,12 @@ class ShardedGradientCollective(ZeroCollective):
             reducer.slots, layout, self.group_of_slot, reducer.grad_dtype, self.rank, self.world_size, True
         )
         self.pool = BufferPool(self.sharded, self.world_size, with_scratch=self.exchange == "p2p")
-        # a gradient staged on arrival needs its bucket's buffer before the bucket is next to launch
-        reducer.set_copy_on_arrival(None)
+        for zb in self.sharded:
+            zb.bucket.lend = self._lend_to_bucket
         return [zb.bucket for zb in self.sharded]
 
     def start(self, bucket) -> object:
-        """Reduce-scatter the bucket's pooled ``comm_flat``; drop the gradients it was staged from; lend the next
-        bucket its buffer."""
+        """Reduce-scatter the bucket's pooled ``comm_flat``; drop the gradients it was staged from."""
         zb = self.sharded[bucket.index]
         for slot in bucket.slots:
             slot.param.grad = None  # staged: the bucket's buffer holds it now
@@ -75,8 +73,6 @@ class ShardedGradientCollective(ZeroCollective):
         bucket.grad_flat = None  # the temporary buffer of an accumulating backward, now staged
         work = self._works[zb.index] = _WaitOnce(self._reduce_scatter(zb))
         self.in_flight.append(zb)
-        if zb.index + 1 < len(self.sharded):
-            self._lend(self.sharded[zb.index + 1])
         return work
 
     @torch.no_grad()
@@ -101,20 +97,22 @@ class ShardedGradientCollective(ZeroCollective):
 
     @torch.no_grad()
     def before_accumulate(self) -> None:
-        """At the start of a synchronised backward: lend the first bucket its buffer. Before a backward adds onto
-        reduced gradients: gather them back into temporary full-size buffers that ``.grad`` views."""
+        """Before a backward adds onto reduced gradients: gather them back into temporary full-size buffers that
+        ``.grad`` views. At the start of a synchronised backward: every buffer is back in the pool."""
         if self.holding:
             self.holding = False
             self._gather_reduced()
-        if self.reducer.expect_hooks and self.sharded:  # a synchronised backward starts
+        if self.reducer.expect_hooks:  # a synchronised backward starts
             self._reclaim()
-            self._lend(self.sharded[0])
 
     def zero_grad(self, set_to_none: bool) -> None:
         super().zero_grad(set_to_none)
         self._drop_accumulation_buffers()
 
     # ---- lending and reclaiming the pool's buffers ----------------------------------------------
+    def _lend_to_bucket(self, bucket) -> None:
+        self._lend(self.sharded[bucket.index])
+
     def _lend(self, zb: ShardedBucket) -> None:
         if zb.buffer is not None:
             return
@@ -122,7 +120,7 @@ class ShardedGradientCollective(ZeroCollective):
         while buffer is None and self.in_flight:
             self._complete(self.in_flight[0])
             buffer = self.pool.take(zb.comm_dtype)
-        if buffer is None:  # every buffer of this dtype is lent to a bucket not yet launched (cannot happen in order)
+        if buffer is None:  # every buffer of this dtype is lent to a bucket still being filled
             buffer = self.pool.take(zb.comm_dtype, grow=True)
         zb.buffer = buffer
         comm = buffer.comm.narrow(0, 0, zb.bucket.numel)
@@ -149,7 +147,7 @@ class ShardedGradientCollective(ZeroCollective):
         buffer, zb.buffer = zb.buffer, None
         if buffer is not None:
             self.pool.give_back(zb.comm_dtype, buffer)
-        zb.bucket.comm_flat = zb.placeholder
+        zb.bucket.comm_flat = zb.bucket.placeholder
         zb.scratch = None
         for slot in zb.slots:
             slot.comm_view = None
