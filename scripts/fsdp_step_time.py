@@ -25,6 +25,7 @@ WIDTH, DEPTH, BATCH = 1024, 8, 64
 VARIANTS: dict[str, dict | None] = {
     "ddp": None,
     "fsdp2_by_hand": {"by_hand": True},
+    "fsdp2_pairs_by_hand": {"by_hand": True, "per_unit": 2},
     "fsdp_layers": {"wrap": "auto"},
     "fsdp_layers_reshard_last": {"wrap": "auto", "reshard_last": True},
     "fsdp_layers_stock_rs": {"wrap": "auto", "stock_reduce_scatter": True},
@@ -54,9 +55,11 @@ def _trainee(keywords: dict | None):
 
         torch.manual_seed(0)
         model = build()
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
+        linears = [layer for layer in model if isinstance(layer, nn.Linear)]
+        per_unit = keywords.get("per_unit", 1)  # >1: fewer, larger units (fully_shard of a module list)
+        for first in range(0, len(linears), per_unit):
+            group = linears[first : first + per_unit]
+            fully_shard(group if per_unit > 1 else group[0])
         fully_shard(model)
     else:
         keywords = dict(keywords)

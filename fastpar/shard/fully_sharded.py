@@ -59,10 +59,11 @@ def fully_shard_model(
     - ``device``: where the shards live; default: the model's device, else the current CUDA device on
       NCCL, else the CPU.
     - ``init_fn``: ``init_fn(module)`` for every module after ``reset_parameters()``, as ``model.apply`` calls it.
-    - on gloo, gradients are reduce-scattered as an all-reduce and a slice (:mod:`.gloo_reduce_scatter`):
-      faster there, and the same sums bit for bit.
     - ``prefetch``: all-gather the next ``prefetch`` units explicitly while one unit computes, forward and
       backward, in the units' registration order (0: torch's implicit backward prefetch only).
+
+    On gloo, gradients are reduce-scattered as an all-reduce and a slice (:mod:`.gloo_reduce_scatter`):
+    faster there, and the same sums bit for bit.
 
     Raises ``ValueError`` (:class:`~fastpar.shard.WrapError` for the units) before anything is sharded when
     the model, the units or the precision can't work, saying what to change.

@@ -7,6 +7,8 @@ this one on every unit when the group's backend is gloo. The fastpar backend and
 reduce-scatter, which is the faster of the two there.
 
 FSDP2 calls it synchronously (no ``async_op``) with the input laid out as N equal chunks, chunk r for rank r.
+The ``ReduceScatter`` interface is documented on ``set_custom_reduce_scatter`` but torch 2.13 exports it only
+from the private ``_fsdp_api`` module; the import below is the one place that names it.
 """
 
 from __future__ import annotations
