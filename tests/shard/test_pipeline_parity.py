@@ -1,7 +1,8 @@
 """Acceptance: a model pipelined by ``fastpar.shard.pipeline_model`` over spawned CPU ranks trains bit for bit as
 the same microbatches accumulated in one process -- each microbatch's ``(loss / microbatches).backward()`` in
 order, one AdamW step -- for 1F1B and GPipe at 2 stages, interleaved 1F1B at 2 ranks x 2 virtual stages, 3
-stages, and 2 stages x 2 data-parallel replicas, on gloo and on the fastpar backend.
+stages, and 2 stages x 2 data-parallel replicas (1F1B, and interleaved with 2 virtual stages), on gloo and on
+the fastpar backend.
 
 Why bit-identical is expected: the schedules are built with ``scale_grads=False`` and the loss of each
 microbatch is divided by the number of microbatches before its backward, so every stage computes the same
@@ -28,6 +29,7 @@ CASES = {
     "1f1b_3stages_blocks": ("blocks", 3, 3, "1f1b", 1),
     "gpipe_2stages_blocks": ("blocks", 2, 2, "gpipe", 1),
     "pp2_dp2": ("mlp", 4, 2, "1f1b", 1),
+    "interleaved_pp2_dp2": ("mlp", 4, 2, "interleaved-1f1b", 2),
 }
 FAST = {("1f1b_2stages", "gloo")}
 
