@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 import torch  # noqa: E402
-from strategy_measure import measure_rank, measured_profile, slowest_rank_medians, spec_of  # noqa: E402
+from strategy_measure import compare_state, measure_rank, measured_profile, slowest_rank_medians, spec_of  # noqa: E402
 
 from fastpar.costmodel.memory_planner import plan  # noqa: E402
 from fastpar.costmodel.model_probe import ProbeResult, probe  # noqa: E402
@@ -124,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     for e in predicted.estimates:
         if e.label not in strategies:
             continue
-        measured_state = max(sum(r[e.label]["bytes"].values()) for r in results)
+        predicted_state, measured_state = compare_state(e, results)
         row = {
             "strategy": e.label,
-            "state_predicted": e.memory.model_state,
+            "state_predicted": predicted_state,
             "state_measured": measured_state,
             "bytes_measured": [r[e.label]["bytes"] for r in results],
             "step_predicted_s": e.step_s,
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows.append(row)
         print(
-            f"{e.label:<22}{e.memory.model_state:>12}{measured_state:>12}{e.memory.model_state / measured_state:>7.3f}"
+            f"{e.label:<22}{predicted_state:>12}{measured_state:>12}{predicted_state / measured_state:>7.3f}"
             f"{e.step_s * 1e3:>14.1f}{steps[e.label] * 1e3:>14.1f}{e.step_s / steps[e.label]:>7.2f}"
             f"{corrected_step[e.label] * 1e3:>9.1f}{corrected_step[e.label] / steps[e.label]:>7.2f}"
             f"{both_step[e.label] * 1e3:>11.1f}{both_step[e.label] / steps[e.label]:>7.2f}"

@@ -7,8 +7,9 @@ What each strategy keeps, per device of ``N`` (``P`` parameter elements; itemsiz
   dtype adds a second flat buffer of the reduce dtype.
 - ``zero1``: the optimizer state of 1/N of every bucket (buckets padded to a multiple of N). On gloo and the
   fastpar backend the reduce-scatter is point-to-point, into a scratch buffer of (N-1)/N of each bucket.
-- ``zero2``: also the gradients as shards (1/N), plus a pool of full-size bucket buffers for the buckets in
-  flight (two by default: one reducing, one filling).
+- ``zero2``: also the gradients as shards (1/N), plus a pool of three full-size buffers of the largest
+  bucket's size (one filling, one on the wire, one being summed) with their point-to-point scratch, and
+  autograd's full-size gradients of the bucket being filled (dropped when it launches).
 - ``fsdp``: parameters, gradients and state as shards; each parameter's dim 0 padded to a multiple of N (as
   ``fully_shard`` does). In flight: the root unit (never resharded), the largest unit gathered plus the next
   one prefetched, and one unit's unsharded gradients before its reduce-scatter; with
@@ -37,6 +38,7 @@ OPTIMIZER_STATE = {
     "sgd": (0, False),
     "sgd-momentum": (1, False),
 }
+ZERO2_POOL_BUFFERS = 3  # ShardedOptimizer(shard_gradients=True)'s pool: filling, on the wire, being summed
 _STEP_BYTES = 4  # torch keeps Adam's step as a float32 scalar tensor per parameter (per bucket shard in ZeRO)
 
 
@@ -53,7 +55,8 @@ class MemoryBreakdown:
     gradients: int
     optimizer_state: int
     activations: int
-    buffers: int
+    buffers: int  # in flight at the peak: bucket buffers, gathered units, messages
+    persistent_buffers: int = 0  # the part of ``buffers`` allocated once and kept (scratch, pools)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -129,9 +132,8 @@ def strategy_memory(
     pb, rb = sizes.param, sizes.reduce
     if strategy == "ddp":
         narrow = numel * rb if rb != pb else 0
-        return MemoryBreakdown(
-            numel * pb, numel * pb, _state_bytes(numel, tensors, optimizer, sizes), activations, narrow
-        )
+        state = _state_bytes(numel, tensors, optimizer, sizes)
+        return MemoryBreakdown(numel * pb, numel * pb, state, activations, narrow, persistent_buffers=narrow)
     if strategy in ("zero1", "zero2"):
         padded = [-(-b // n) * n for b in buckets]
         total_padded = sum(padded)
@@ -139,11 +141,27 @@ def strategy_memory(
         scratch = int(sum(padded) * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
         if strategy == "zero1":
             narrow = total_padded * rb if rb != pb else 0
-            return MemoryBreakdown(total_padded * pb, total_padded * pb, state, activations, scratch + narrow)
-        in_flight = options.get("buckets_in_flight", 2)
-        pool = sum(sorted(padded, reverse=True)[:in_flight]) * max(pb, rb)
-        scratch = int(sum(sorted(padded, reverse=True)[:in_flight]) * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
-        return MemoryBreakdown(total_padded * pb, total_padded // n * pb, state, activations, pool + scratch)
+            return MemoryBreakdown(
+                total_padded * pb,
+                total_padded * pb,
+                state,
+                activations,
+                scratch + narrow,
+                persistent_buffers=scratch + narrow,
+            )
+        largest = max(padded, default=0)
+        lent = min(ZERO2_POOL_BUFFERS, len(padded))  # allocated on first use: never more than there are buckets
+        pool = lent * largest * rb  # full-size reduce buffers, each the largest bucket's size
+        scratch = int(lent * largest * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
+        unlaunched = largest * pb  # autograd's full-size .grad of the bucket being filled, dropped at its launch
+        return MemoryBreakdown(
+            total_padded * pb,
+            total_padded // n * pb,
+            state,
+            activations,
+            pool + scratch + unlaunched,
+            persistent_buffers=pool + scratch,
+        )
     if strategy == "fsdp":
         shard = sum(_fsdp_shard_numel(layer.param_shapes, n) for layer in layers)
         state = _state_bytes(shard, tensors, optimizer, sizes)

@@ -22,7 +22,7 @@ from .pipeline_stages import PipelinedModel, StageLayers, pipeline_memory_report
 from .precision import precision_policy
 from .wrap_policy import WrapError, describe_units, select_units
 
-__all__ = [
+__all__: list[str] = [
     "SCHEDULES",
     "LayerCost",
     "ModelLayers",

@@ -125,10 +125,10 @@ def test_the_choice_is_the_fastest_that_fits(small_probe):
 
 
 def test_when_nothing_fits_the_plan_says_what_would(small_probe):
-    p = _plan(small_probe, device_memory="3MB", batch_size=8)
+    p = _plan(small_probe, device_memory="2MB", batch_size=8)
     assert p.choice is None and p.choice_options == {}
     assert "nothing fits" in p.table() and p.suggestions, p.advice
-    asked = dict(device_memory="3MB", batch_size=8)
+    asked = dict(device_memory="2MB", batch_size=8)
     for change, value in p.suggestions.items():  # each suggestion, tried alone, fits
         assert _plan(small_probe, **{**asked, change: value}).choice is not None, (change, value)
     if "devices" in p.suggestions:  # and it is the least such change

@@ -4,8 +4,9 @@
 Bytes are counted per distinct storage (views of one flat buffer count once), after a full step:
 parameters, gradients (where they live after backward: ``.grad``, bucket buffers or shards) and optimizer
 state. Engines: fastpar's DDP and ``ShardedOptimizer`` (ZeRO-1, and ZeRO-2 when it has ``shard_gradients``),
-torch's ``fully_shard`` applied per repeated layer and at the root (FSDP2), and torch's pipelining
-(``PipelineStage`` + ``Schedule1F1B``/``ScheduleGPipe``) over the planner's split.
+``fastpar.shard.fully_shard_model`` (FSDP2; where it is missing, torch's ``fully_shard`` per repeated layer
+and at the root), and ``fastpar.shard.pipeline_model`` (where it is missing, torch's ``PipelineStage`` +
+``Schedule1F1B``/``ScheduleGPipe`` by hand) over the planner's split, schedule and microbatches.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def _build(model_kwargs) -> ReferenceTransformer:
 class _Engine:
     """One strategy's model and optimizer; ``step(ids)`` trains one step, ``bytes()`` counts what it holds."""
 
-    def __init__(self, strategy: str, options: dict, model_kwargs: dict, rank: int, world: int) -> None:
+    def __init__(
+        self, strategy: str, options: dict, model_kwargs: dict, rank: int, world: int, config_batch: int
+    ) -> None:
         import fastpar
 
         self.strategy, self.rank, self.world = strategy, rank, world
@@ -66,25 +69,12 @@ class _Engine:
             extra = {"shard_gradients": True} if strategy == "zero2" else {}
             self.opt = fastpar.ShardedOptimizer(self.model, torch.optim.AdamW, **extra, **adamw)
         elif strategy == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            for _, layer, repeated in model_layers(module):
-                if repeated and any(True for _ in layer.parameters()):
-                    fully_shard(layer, reshard_after_forward=options.get("reshard_after_forward", True))
-            fully_shard(module)
-            self.model = module
-            self.opt = torch.optim.AdamW(module.parameters(), **adamw)
+            self.model = _fully_shard(module, options.get("reshard_after_forward", True))
+            self.opt = torch.optim.AdamW(self.model.parameters(), **adamw)
         elif strategy == "pipeline":
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-            layers = model_layers(module)
-            starts = [0, *options["split"], len(layers)]
-            mine = nn.Sequential(*(layers[i][1] for i in range(starts[rank], starts[rank + 1])))
-            self.model = mine
-            stage = PipelineStage(mine, rank, world, torch.device("cpu"))
-            schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[options["schedule"]]
-            self.schedule = schedule(stage, n_microbatches=options["microbatches"], loss_fn=self.loss)
-            self.opt = torch.optim.AdamW(mine.parameters(), **adamw)
+            self.pipeline = _pipeline(module, options, rank, world, self.loss, config_batch)
+            self.model = self.pipeline.module if hasattr(self.pipeline, "module") else self.pipeline.model
+            self.opt = torch.optim.AdamW(self.model.parameters(), **adamw)
         else:
             raise ValueError(strategy)
 
@@ -93,39 +83,89 @@ class _Engine:
         if self.strategy == "pipeline":
             # the pipeline trains on its S devices' batches at once (what data parallelism would give them)
             full = ids.repeat(self.world, 1)
-            if self.rank == 0:
-                self.schedule.step(full)
-            else:
-                self.schedule.step(target=full)
+            self.pipeline.step(full, full)
         else:
             self.loss(self.model(ids), ids).backward()
-        self.grad_bytes_after_backward = self._grad_bytes()
+        self.grad_bytes_after_backward = _storages(p.grad for p in self.model.parameters())
         self.opt.step()
 
-    def _grad_bytes(self) -> int:
-        if self.strategy in ("zero1", "zero2"):
-            report = getattr(self.opt, "memory_report", None)
-            if report is not None:
-                return int(report()["gradients"])
-            return _storages(zb.bucket.grad_flat for zb in self.opt._sharded)  # where ZeRO-1's gradients live
-        return _storages(p.grad for p in self.model.parameters())
-
     def bytes(self) -> dict[str, int]:
+        """Parameters, gradients and optimizer state; ``"buffers_included"`` is 1 where the engine's own report
+        counts its persistent buffers (ZeRO's scratch and pool) among the gradients."""
         if self.strategy in ("zero1", "zero2"):
             report = getattr(self.opt, "memory_report", None)
             if report is not None:
                 got = report()
-                return {k: int(got[k]) for k in ("parameters", "gradients", "optimizer_state")}
+                return {
+                    **{k: int(got[k]) for k in ("parameters", "gradients", "optimizer_state")},
+                    "buffers_included": 1,
+                }
             return {
                 "parameters": _storages(zb.param_flat for zb in self.opt._sharded),
-                "gradients": self.grad_bytes_after_backward,
+                "gradients": _storages(zb.bucket.grad_flat for zb in self.opt._sharded),  # ZeRO-1's gradients
                 "optimizer_state": _storages(_state_tensors(self.opt._inner)),
+                "buffers_included": 0,
             }
         return {
             "parameters": _storages(self.model.parameters()),
             "gradients": self.grad_bytes_after_backward,
             "optimizer_state": _storages(_state_tensors([self.opt])),
+            "buffers_included": 0,
         }
+
+
+def _fully_shard(module: nn.Module, reshard: bool) -> nn.Module:
+    """fastpar's FSDP2 entry point where it exists, else torch's ``fully_shard`` by hand on the same units."""
+    try:
+        from fastpar.shard import fully_shard_model
+    except ImportError:
+        from torch.distributed.fsdp import fully_shard
+
+        for _, layer, repeated in model_layers(module):
+            if repeated and any(True for _ in layer.parameters()):
+                fully_shard(layer, reshard_after_forward=reshard)
+        return fully_shard(module)
+    return fully_shard_model(module, wrap="auto", reshard_after_forward=reshard)
+
+
+class _TorchPipeline:
+    """torch's pipelining over the planner's split, by hand: this rank's stage and the schedule."""
+
+    def __init__(self, module, options, rank, world, loss) -> None:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        layers = model_layers(module)
+        starts = [0, *options["split"], len(layers)]
+        self.model = nn.Sequential(*(layers[i][1] for i in range(starts[rank], starts[rank + 1])))
+        stage = PipelineStage(self.model, rank, world, torch.device("cpu"))
+        schedule = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}[options["schedule"]]
+        self.schedule = schedule(stage, n_microbatches=options["microbatches"], loss_fn=loss)
+        self.rank, self.world = rank, world
+
+    def step(self, inputs, targets) -> None:
+        if self.rank == 0:
+            self.schedule.step(inputs)
+        else:
+            self.schedule.step(target=targets)
+
+
+def _pipeline(module, options, rank, world, loss, batch_size):
+    """fastpar's ``pipeline_model`` where it exists (the plan's split, schedule and microbatches), else torch's
+    pipelining by hand."""
+    try:
+        from fastpar.shard import pipeline_model
+    except ImportError:
+        return _TorchPipeline(module, options, rank, world, loss)
+    example = torch.zeros(batch_size * world, module.config.seq_len, dtype=torch.long)
+    return pipeline_model(
+        module,
+        stages=options["stages"],
+        loss_fn=loss,
+        microbatches=options["microbatches"],
+        schedule=options["schedule"],
+        split=list(options["split"]),
+        example_input=example,
+    )
 
 
 def measure_rank(rank: int, world: int, config: dict) -> dict:
@@ -134,7 +174,10 @@ def measure_rank(rank: int, world: int, config: dict) -> dict:
     Returns {label: {"bytes": {...}, "step_s": [seconds per round]}}."""
     torch.manual_seed(1 + rank)
     ids = torch.randint(0, config["model"]["vocab"], (config["batch_size"], config["model"]["seq_len"]))
-    engines = {label: _Engine(s, o, config["model"], rank, world) for label, (s, o) in config["strategies"].items()}
+    engines = {
+        label: _Engine(s, o, config["model"], rank, world, config["batch_size"])
+        for label, (s, o) in config["strategies"].items()
+    }
     for engine in engines.values():
         for _ in range(config.get("warmup", 1)):
             engine.step(ids)
@@ -170,6 +213,15 @@ def _collective(op: str, nbytes: int, world: int) -> float:
     else:
         (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(big, small)
     return time.perf_counter() - t0
+
+
+def compare_state(estimate, results: list[dict]) -> tuple[int, int]:
+    """(predicted, measured) bytes of the largest rank: parameters + gradients + optimizer state, and where the
+    engine's report counts its persistent buffers (ZeRO's scratch and pool) the predicted ones too."""
+    rows = [r[estimate.label]["bytes"] for r in results]
+    measured = max(row["parameters"] + row["gradients"] + row["optimizer_state"] for row in rows)
+    extra = estimate.memory.persistent_buffers if rows[0]["buffers_included"] else 0
+    return estimate.memory.model_state + extra, measured
 
 
 def slowest_rank_medians(results: list[dict]) -> dict[str, float]:
