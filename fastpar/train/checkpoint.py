@@ -1,4 +1,8 @@
-"""Checkpoints: written atomically by rank 0, the last K kept, resumed from the newest valid one.
+"""Checkpoints: written atomically, the last K kept, resumed from the newest valid one.
+
+Replicated training (DDP, one process) writes single files, rank 0 alone (below). Sharded strategies write
+folders ``ckpt-<step>/`` through ``torch.distributed.checkpoint`` (fastpar/shard/checkpoint.py); both kinds
+are listed, pruned and resumed from here.
 
 A checkpoint is a plain dict of tensors and Python scalars (model, optimizer, scheduler, every rank's
 RNG states and data position), so it loads with ``torch.load(weights_only=True)``. Writing goes to a
@@ -11,13 +15,14 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-_NAME = re.compile(r"^ckpt-(\d{9})\.pt$")
+_NAME = re.compile(r"^ckpt-(\d{9})(\.pt)?$")
 REQUIRED_KEYS = ("format", "step", "epoch", "model", "optimizer", "ranks")
 FORMAT = 1
 
@@ -27,11 +32,15 @@ def checkpoint_path(directory: str | Path, step: int) -> Path:
 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
-    """Checkpoint files in ``directory``, oldest step first."""
+    """Checkpoints in ``directory`` (files ``ckpt-<step>.pt`` and folders ``ckpt-<step>``), oldest step first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    found = [
+        (int(m.group(1)), p)
+        for p in directory.iterdir()
+        if (m := _NAME.match(p.name)) and (p.is_dir() != bool(m.group(2)))
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -61,18 +70,27 @@ def save_atomic(state: dict[str, Any], path: Path) -> Path:
 def prune(directory: str | Path, keep: int) -> None:
     """Delete all but the newest ``keep`` checkpoints, and temp files crashed writers left behind."""
     for old in list_checkpoints(directory)[:-keep]:
-        old.unlink(missing_ok=True)
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
 
 
 def remove_stale_temp_files(directory: str | Path) -> None:
     for tmp in Path(directory).glob(".ckpt-*.pt.tmp-*"):
         tmp.unlink(missing_ok=True)
+    for tmp in Path(directory).glob(".ckpt-*.tmp"):  # a sharded checkpoint's folder, never renamed
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_newest_valid(directory: str | Path, report=print) -> tuple[dict[str, Any] | None, Path | None]:
     """The newest checkpoint that loads and has every required key; unreadable ones are reported and skipped."""
     for path in reversed(list_checkpoints(directory)):
         try:
+            if path.is_dir():  # sharded: the record here, the weights loaded by the strategy from the folder
+                from ..shard.checkpoint import SHARDED_FORMAT, read_trainer_record
+
+                state = read_trainer_record(path)
+                if state.get("format") != SHARDED_FORMAT:
+                    raise ValueError(f"format {state.get('format')} (this fastpar reads format {SHARDED_FORMAT})")
+                return state, path
             state = torch.load(path, map_location="cpu", weights_only=True)
             missing = [k for k in REQUIRED_KEYS if k not in state]
             if missing:

@@ -91,7 +91,7 @@ def ddp_choice(options: TrainingOptions) -> str:
     """ "fastpar" or "torch": which DistributedDataParallel ``options.ddp`` means here."""
     if options.ddp != "auto":
         return options.ddp
-    if options.shard_optimizer:
+    if options.strategy in ("zero1", "zero2"):
         return "fastpar"  # ZeRO lives on fastpar's buckets (it runs without the extension too)
     from ..ops.loader import ext_status
 

@@ -9,6 +9,7 @@ only on logged steps, so an ordinary step has no CPU-GPU sync and no extra colle
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 import time
 from pathlib import Path
@@ -21,9 +22,11 @@ import torch.distributed as dist
 from . import checkpoint as ckpt
 from . import resume
 from .data import batches_per_epoch, make_loader
-from .job import Job, build_model, build_optimizer, ddp_choice, wrap_ddp
+from .job import Job, build_model, build_optimizer, ddp_choice
+from .planning import plan_sharding
 from .plot import write_progress_plot
 from .progress import MetricsLog, ProgressBar
+from .strategies import build_strategy
 
 _PLOT_REFRESH_S = 10.0  # redraw the progress PNG at most this often (a redraw costs ~0.2 s on rank 0)
 # Every info record an output function gets has these keys (None when not known at that point).
@@ -49,6 +52,11 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _floating_dtype(module: torch.nn.Module) -> torch.dtype:
+    floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
+    return floating[0] if floating else torch.get_default_dtype()
+
+
 def _classification(out: torch.Tensor, y: Any) -> bool:
     return torch.is_tensor(y) and out.ndim == 2 and y.ndim == 1 and not y.is_floating_point()
 
@@ -60,31 +68,31 @@ class Run:
         self.is_main = rank == 0
         opts = self.opts
 
+        threads = opts.data_threads if opts.data_threads is not None else (None if device.type == "cuda" else 0)
+        self.loader_args = dict(
+            batch_size=opts.batch_size,
+            seed=opts.seed,
+            image_size=opts.image_size,
+            threads=threads,
+            device=device,
+            cache_dir=opts.data_cache_dir,  # object-store data: a local cache shared by the ranks
+        )
+        name, plan_options, example = opts.strategy if world_size > 1 else "ddp", {}, None  # one process: no shards
+        if name == "auto" or opts.memory_budget is not None:
+            name, plan_options = self._plan(name)
+        if name == "pipeline" and world_size > 1:
+            example = self._example_batch()
         _seed_everything(opts.seed)  # identical initial weights on every rank
-        self.model = build_model(job.model).to(device)
-        self.optimizer = build_optimizer(job.optimizer, self.model)
-        self.ddp_model = wrap_ddp(self.model, opts, device) if world_size > 1 else self.model
-        self.sharded = opts.shard_optimizer and world_size > 1
-        if self.sharded:  # ZeRO-1: the same optimizer (class, groups, state), each rank stepping its shards
-            from ..zero import ShardedOptimizer
-
-            self.optimizer = ShardedOptimizer.from_optimizer(self.ddp_model, self.optimizer)
+        self.strategy = build_strategy(job, name, rank, world_size, device, plan_options, example)
+        self.model, self.ddp_model = self.strategy.model, self.strategy.train_model
+        self.optimizer = self.strategy.optimizer
         self.scheduler = opts.lr_scheduler(self.optimizer) if opts.lr_scheduler else None
         _seed_everything(opts.seed + 1000 * rank)  # distinct dropout/augmentation streams per rank
         floating = [p.dtype for p in self.model.parameters() if p.is_floating_point()]
         self.input_dtype = floating[0] if floating else torch.get_default_dtype()
 
-        threads = opts.data_threads if opts.data_threads is not None else (None if device.type == "cuda" else 0)
-        loader_args = dict(
-            batch_size=opts.batch_size,
-            rank=rank,
-            world_size=world_size,
-            seed=opts.seed,
-            image_size=opts.image_size,
-            threads=threads,
-            device=device,
-        )
-        loader_args["cache_dir"] = opts.data_cache_dir  # object-store data: a local cache shared by the ranks
+        data_rank, data_world = self.strategy.data_rank, self.strategy.data_world_size
+        loader_args = dict(self.loader_args, rank=data_rank, world_size=data_world)
         self.train_loader = make_loader(job.train_data, train=True, **loader_args)
         self.val_loader = (
             make_loader(opts.validation_data, train=False, **loader_args) if opts.validation_data is not None else None
@@ -116,6 +124,35 @@ class Run:
             self._plotted_at = 0.0
         self._reset_window()
 
+    def _plan(self, strategy: str) -> tuple[str, dict]:
+        """Ask the memory planner (rank 0, with a real batch) which strategy fits; every rank gets its answer."""
+        example = module = optimizer = None
+        if self.is_main:  # rank 0 builds the whole model once, on the CPU or this device, to measure it
+            _seed_everything(self.opts.seed)
+            module = copy.deepcopy(build_model(self.job.model))  # measuring runs it: not the instance we train
+            optimizer = build_optimizer(self.job.optimizer, module)
+            example = self._example_batch(module)
+            module.to(self.device)
+        return plan_sharding(
+            module,
+            optimizer,
+            self.job.loss_fn,
+            example,
+            strategy,
+            self.opts.memory_budget_bytes,
+            self.rank,
+            self.world_size,
+            self.device,
+        )
+
+    def _example_batch(self, module: torch.nn.Module | None = None) -> tuple[Any, Any]:
+        """The first training batch (as rank 0 of one process would read it), on this device."""
+        if module is None:
+            _seed_everything(self.opts.seed)
+            module = build_model(self.job.model)
+        loader = make_loader(self.job.train_data, train=True, rank=0, world_size=1, **self.loader_args)
+        return self._batch(next(iter(loader)), module_dtype=module)
+
     def _agreed_batches_per_epoch(self) -> int:
         """Batches per epoch, checked equal on every rank: a rank with fewer would leave the others in a collective."""
         mine = batches_per_epoch(self.train_loader)
@@ -133,7 +170,10 @@ class Run:
 
     def _print_summary(self) -> None:
         where = f"{self.world_size} {self.device.type.upper()} process(es)"
-        ddp = f", {ddp_choice(self.opts)} DDP" if self.world_size > 1 else ""
+        ddp = ""
+        if self.world_size > 1:
+            name = self.strategy.describe()
+            ddp = f", {ddp_choice(self.opts)} DDP" if name == "ddp" else f", sharding: {name}"
         loader = getattr(getattr(self.train_loader, "backend", None), "name", type(self.train_loader).__name__)
         print(
             f"fastpar: training on {where}{ddp}; data: {loader}, {self.batches} batches/epoch per process; "
@@ -147,8 +187,7 @@ class Run:
             return False
         position = resume.restore(
             self.ckpt_dir,
-            model=self.model,
-            optimizer=self.optimizer,
+            strategy=self.strategy,
             scheduler=self.scheduler,
             rank=self.rank,
             world_size=self.world_size,
@@ -171,10 +210,10 @@ class Run:
             step=self.step,
             epoch=self.epoch,
             batch_in_epoch=self.batch_in_epoch,
+            batches_per_epoch=self.batches,
             elapsed=self.elapsed(),
             total_steps=self.total_steps,
-            model=self.model,
-            optimizer=self.optimizer,
+            strategy=self.strategy,
             scheduler=self.scheduler,
             train_loader=self.train_loader,
             rank=self.rank,
@@ -203,7 +242,7 @@ class Run:
             dist.all_reduce(values)
         return values.tolist()  # CPU-GPU sync point (logged steps, and every step when output_fns are set)
 
-    def _batch(self, batch: Any) -> tuple[Any, Any]:
+    def _batch(self, batch: Any, module_dtype: torch.nn.Module | None = None) -> tuple[Any, Any]:
         """``(x, y)`` on this device; floating inputs/targets in the model's dtype (numpy gives float64),
         integer targets as int64 (what the classification losses take)."""
         try:
@@ -213,10 +252,11 @@ class Run:
                 f"each batch must be a pair (inputs, targets), got {type(batch).__name__}; make the loader yield (x, y)"
             ) from None
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        if x.is_floating_point() and x.dtype != self.input_dtype:
-            x = x.to(self.input_dtype)
-        if y.is_floating_point() and y.dtype != self.input_dtype:
-            y = y.to(self.input_dtype)
+        dtype = self.input_dtype if module_dtype is None else _floating_dtype(module_dtype)
+        if x.is_floating_point() and x.dtype != dtype:
+            x = x.to(dtype)
+        if y.is_floating_point() and y.dtype != dtype:
+            y = y.to(dtype)
         elif not y.is_floating_point() and y.dtype not in (torch.int64, torch.bool):
             y = y.long()
         return x, y
@@ -227,6 +267,7 @@ class Run:
         classifier = False
         if hasattr(self.val_loader, "set_epoch"):
             self.val_loader.set_epoch(0)
+        extra, x = self._agreed_validation_padding(), None
         with torch.no_grad(), self.autocast():
             for batch in self.val_loader:
                 x, y = self._batch(batch)
@@ -236,12 +277,25 @@ class Run:
                     classifier = True
                     totals[1] += (out.argmax(1) == y).sum()
                 totals[2] += len(y)
+            for _ in range(extra):  # FSDP2: every rank must take part in as many forwards' all-gathers
+                if x is None:  # this rank's shard of the validation data is empty
+                    x, _ = self._batch(next(iter(self.val_loader)))
+                self.model(x)
         self.model.train()
         loss_sum, correct, count = self._reduce(totals)
         result = {"val_loss": loss_sum / max(count, 1)}
         if classifier:
             result["val_accuracy"] = correct / max(count, 1)
         return result
+
+    def _agreed_validation_padding(self) -> int:
+        """Forwards this rank runs beyond its own validation batches (uncounted), so that every rank runs as
+        many: a fully sharded forward is collective, and the validation shards may differ by a batch."""
+        if not self.strategy.collective_forward:
+            return 0
+        counts: list = [None] * self.world_size
+        dist.all_gather_object(counts, batches_per_epoch(self.val_loader))
+        return max(counts) - counts[self.rank]
 
     def _record(self, sums: torch.Tensor, seconds: float) -> dict[str, Any] | None:
         """All ranks' (loss sum, correct, samples) reduced into a record on rank 0 (None elsewhere)."""
@@ -302,10 +356,8 @@ class Run:
 
     # --- the loop ---------------------------------------------------------------------------------
     def _optimizer_step(self) -> None:
-        if self.opts.grad_clip_norm is not None and self.sharded:  # the reduced gradients exist as shards only
-            self.optimizer.clip_grad_norm_(self.opts.grad_clip_norm)
-        elif self.opts.grad_clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opts.grad_clip_norm)
+        if self.opts.grad_clip_norm is not None:
+            self.strategy.clip(self.opts.grad_clip_norm)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -347,19 +399,15 @@ class Run:
                 self.batch_in_epoch += 1
                 last_micro = self.batch_in_epoch == group_start + group_size
                 x, y = self._batch(batch)
-                sync = contextlib.nullcontext() if last_micro or self.world_size == 1 else self.ddp_model.no_sync()
-                with sync:
-                    with self.autocast():
-                        out = self.ddp_model(x)
-                        loss = self.job.loss_fn(out, y)
-                    (loss / group_size).backward()
+                with self.strategy.no_sync(last_micro):
+                    out, loss, samples = self.strategy.forward_backward(x, y, 1 / group_size, self.autocast)
                 with torch.no_grad():
                     if self.is_classifier is None:
-                        self.is_classifier = _classification(out, y)
-                    self.window[0] += loss.detach().double() * len(y)
+                        self.is_classifier = out is not None and _classification(out, y)
+                    self.window[0] += loss.detach().double() * samples
                     if self.is_classifier:
                         self.window[1] += (out.argmax(1) == y).sum()
-                    self.window[2] += len(y)
+                    self.window[2] += samples
                 if not last_micro:
                     continue
                 self._optimizer_step()
@@ -394,6 +442,7 @@ class Run:
         return stop
 
     def _finish(self) -> dict[str, Any] | None:
+        state = self.strategy.full_model_state()  # collective for sharded models: before rank 0 goes its own way
         if not self.is_main:
             return None
         if self.bar is not None:
@@ -403,7 +452,6 @@ class Run:
         self._call_output_fns(dict(last), "done")
         self._refresh_plot(final=True)
         self.metrics.close()
-        state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         return {
             "model_state": state,
             "history": records,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,6 +15,23 @@ ENVIRONMENTS = ("auto", "cpu", "gpu", "multi-gpu", "cluster")
 DDP_CHOICES = ("auto", "torch", "fastpar")
 CPU_BACKENDS = ("auto", "fastpar", "gloo")
 PLOTS = (None, "none", "training-progress")
+SHARDINGS = ("ddp", "zero1", "zero2", "fsdp", "pipeline", "auto")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+FSDP_WRAPS = ("auto", "root")
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_bytes(value: int | str) -> int:
+    """``8_000_000_000``, ``"8GB"``, ``"7.5 GiB"`` -> bytes; ValueError for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"{value} is not a positive number of bytes")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value) if isinstance(value, str) else None
+    if match is None or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"{value!r} is not a size (bytes as an int, or a string like '8GB', '512MiB')")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 @dataclasses.dataclass
@@ -51,6 +69,19 @@ class TrainingOptions:
     grad_clip_norm: float | None = None
     find_unused_parameters: bool = False  # DDP's: for models with parameters that some steps leave without a gradient
     shard_optimizer: bool = False  # ZeRO-1: each process keeps 1/N of the optimizer state (fastpar DDP, >1 process)
+    # how model state is spread over the processes: ddp (replicated) | zero1 (optimizer state sharded) | zero2
+    # (+ gradients) | fsdp (+ parameters: torch's FSDP2) | pipeline (layers split into stages) | auto (the memory
+    # planner picks the fastest that fits memory_budget; the plan is printed before training). None: "zero1" when
+    # shard_optimizer=True, else "ddp".
+    sharding: str | None = None
+    memory_budget: int | str | None = None  # bytes per device ("8GB" too) the plan must fit (None: the device's memory)
+    pipeline_stages: int | None = None  # pipeline: stages (default: the plan's, else every process one stage)
+    pipeline_schedule: str = "1f1b"  # pipeline: 1f1b | gpipe | interleaved-1f1b (torch.distributed.pipelining's)
+    microbatches: int | None = None  # pipeline: micro-batches each batch is split into (default: 2 x stages)
+    fsdp_wrap: str | int = (
+        "auto"  # fsdp units: auto (the plan's) | blocks (repeated block classes) | size | none | min params
+    )
+    fsdp_reshard_after_forward: bool | None = None  # fsdp: free gathered parameters after forward (None: the plan's)
     mixed_precision: bool = False  # bf16 autocast where the device supports it
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = (
         None  # factory(optimizer) -> scheduler, stepped per step
@@ -136,5 +167,94 @@ class TrainingOptions:
                 "TrainingOptions.shard_optimizer=True shards the optimizer on fastpar's DDP buckets; use ddp='fastpar' "
                 "or 'auto' (torch's DDP has its own ZeroRedundancyOptimizer, which the Trainer does not wire up)",
             )
+        self._validate_sharding()
         if self.resume and self.checkpoint_dir is None:
             raise OptionError("resume", "TrainingOptions.resume=True needs checkpoint_dir: the folder to resume from")
+
+    @property
+    def strategy(self) -> str:
+        """The sharding strategy asked for: ``sharding``, or what ``shard_optimizer`` stands for."""
+        if self.sharding is not None:
+            return self.sharding
+        return "zero1" if self.shard_optimizer else "ddp"
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        return None if self.memory_budget is None else parse_bytes(self.memory_budget)
+
+    def _validate_sharding(self) -> None:
+        if self.sharding is not None and self.sharding not in SHARDINGS:
+            raise OptionError("sharding", f"TrainingOptions.sharding must be one of {SHARDINGS}, got {self.sharding!r}")
+        if self.shard_optimizer and self.sharding not in (None, "zero1"):
+            raise OptionError(
+                "shard_optimizer",
+                f"TrainingOptions.shard_optimizer=True means sharding='zero1', which contradicts "
+                f"sharding={self.sharding!r}; drop shard_optimizer and keep sharding={self.sharding!r}",
+            )
+        strategy = self.strategy
+        if strategy in ("zero1", "zero2") and self.ddp == "torch":
+            raise OptionError(
+                "ddp",
+                f"TrainingOptions.sharding={strategy!r} shards on fastpar's DDP buckets; use ddp='fastpar' or 'auto' "
+                "(torch's DDP has its own ZeroRedundancyOptimizer, which the Trainer does not wire up)",
+            )
+        if self.memory_budget is not None:
+            try:
+                parse_bytes(self.memory_budget)
+            except ValueError as exc:
+                raise OptionError("memory_budget", f"TrainingOptions.memory_budget: {exc}") from None
+        for name in ("pipeline_stages", "microbatches"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise OptionError(name, f"TrainingOptions.{name} must be an integer >= 1 or None, got {value!r}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise OptionError(
+                "pipeline_schedule",
+                f"TrainingOptions.pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {self.pipeline_schedule!r}",
+            )
+        wrap = self.fsdp_wrap
+        if isinstance(wrap, list):
+            self.fsdp_wrap = wrap = tuple(wrap)
+        names = isinstance(wrap, tuple) and wrap and all(isinstance(n, str) and n for n in wrap)
+        if not (wrap in FSDP_WRAPS or names or (isinstance(wrap, int) and not isinstance(wrap, bool) and wrap >= 1)):
+            raise OptionError(
+                "fsdp_wrap",
+                f"TrainingOptions.fsdp_wrap must be 'auto', 'root', a parameter count >= 1 (modules at least that "
+                f"big become units) or block class names like ('TransformerBlock',), got {wrap!r}",
+            )
+        if self.fsdp_reshard_after_forward not in (None, True, False):
+            raise OptionError(
+                "fsdp_reshard_after_forward",
+                f"TrainingOptions.fsdp_reshard_after_forward must be True, False or None, got "
+                f"{self.fsdp_reshard_after_forward!r}",
+            )
+        pipeline_only = {"pipeline_stages": None, "microbatches": None, "pipeline_schedule": "1f1b"}
+        fsdp_only = {"fsdp_wrap": "auto", "fsdp_reshard_after_forward": None}
+        for names, owner in ((pipeline_only, "pipeline"), (fsdp_only, "fsdp")):
+            for name, default in names.items():
+                if getattr(self, name) != default and strategy not in (owner, "auto"):
+                    raise OptionError(
+                        name,
+                        f"TrainingOptions.{name} applies to sharding='{owner}' (or 'auto'), not {strategy!r}; "
+                        f"drop it or set sharding='{owner}'",
+                    )
+        if strategy == "pipeline":
+            if self.grad_accum_steps != 1:
+                raise OptionError(
+                    "grad_accum_steps",
+                    "TrainingOptions.grad_accum_steps must be 1 with sharding='pipeline': a pipeline accumulates "
+                    "over its micro-batches; raise microbatches (and batch_size) instead",
+                )
+            if self.validation_data is not None:
+                raise OptionError(
+                    "validation_data",
+                    "TrainingOptions.validation_data is not supported with sharding='pipeline' (no process holds "
+                    "the whole model to evaluate it); validate the exported model (fastpar.shard.checkpoint."
+                    "export_consolidated) or train with another sharding",
+                )
+            if self.microbatches is not None and self.batch_size % self.microbatches:
+                raise OptionError(
+                    "microbatches",
+                    f"TrainingOptions.microbatches={self.microbatches} must divide batch_size={self.batch_size}: "
+                    "each batch is cut into that many equal micro-batches",
+                )

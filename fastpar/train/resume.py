@@ -1,8 +1,11 @@
 """Exact resume: what a checkpoint holds beyond the weights, and how a run picks up from it.
 
-Rank 0 writes one file per checkpoint: model, optimizer and scheduler state, plus every rank's RNG
-states and data position (gathered from all ranks), so a run with the same number of processes
-continues with exactly the batches and random numbers the uninterrupted run would have used.
+With replicated state (DDP, one process) rank 0 writes one file per checkpoint: model, optimizer and
+scheduler state, plus every rank's RNG states and data position (gathered from all ranks). Sharded
+strategies (ZeRO-1/2, FSDP2, pipeline) write a DCP folder instead (fastpar/shard/checkpoint.py): every
+rank its pieces of model and optimizer, rank 0 the same record of schedule, RNGs and data positions. A
+run with the same number of processes continues with exactly the batches and random numbers the
+uninterrupted run would have used; a sharded checkpoint also loads at another number of processes.
 
 Resuming with a different ``max_epochs`` changes the run's length: a finished run can be extended
 (or a stopped one shortened). The learning-rate schedule then follows the new length: the scheduler
@@ -22,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..shard import checkpoint as sharded
 from . import checkpoint as ckpt
 
 
@@ -48,37 +52,39 @@ def save(
     step: int,
     epoch: int,
     batch_in_epoch: int,
+    batches_per_epoch: int,
     elapsed: float,
     total_steps: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    strategy: Any,
     scheduler: Any,
     train_loader: Any,
     rank: int,
     world_size: int,
 ) -> list[str] | None:
-    """Collective: every rank calls it. Rank 0 writes the checkpoint and returns the kept paths, others None."""
+    """Collective: every rank calls it. Returns the kept paths on rank 0, None on the others."""
     loader_state = train_loader.state_dict() if hasattr(train_loader, "state_dict") else None
-    optimizer_state = optimizer.state_dict()  # on every rank: a sharded optimizer gathers its state on rank 0
     mine = {"rng": ckpt.rng_state(), "batch_in_epoch": batch_in_epoch, "loader": loader_state}
     ranks: list[Any] = [mine]
     if world_size > 1:
         ranks = [None] * world_size
         dist.gather_object(mine, ranks if rank == 0 else None, dst=0)
-    if rank != 0:
-        return None
-    state = {
-        "format": ckpt.FORMAT,
+    record = {
         "step": step,
         "epoch": epoch,
         "elapsed": elapsed,
         "total_steps": total_steps,  # the run's planned length: a resume with another length re-plans the schedule
-        "model": model.state_dict(),
-        "optimizer": optimizer_state,
+        "batches_per_epoch": batches_per_epoch,  # whether the epoch was complete, for a resume at another world size
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "ranks": ranks,
     }
-    ckpt.save_atomic(state, ckpt.checkpoint_path(directory, step))
+    if strategy.sharded_checkpoints:
+        state = strategy.checkpoint_state()  # every rank: its own pieces
+        record.update(format=sharded.SHARDED_FORMAT, sharding=strategy.name, world_size=world_size)
+        return sharded.save_sharded(state, directory, step, record if rank == 0 else None, keep)
+    if rank != 0:
+        return None
+    record.update(format=ckpt.FORMAT, model=strategy.model.state_dict(), optimizer=strategy.optimizer.state_dict())
+    ckpt.save_atomic(record, ckpt.checkpoint_path(directory, step))
     ckpt.prune(directory, keep)
     return [str(p) for p in ckpt.list_checkpoints(directory)]
 
@@ -86,8 +92,7 @@ def save(
 def restore(
     directory: Path,
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    strategy: Any,
     scheduler: Any,
     rank: int,
     world_size: int,
@@ -96,13 +101,13 @@ def restore(
     max_epochs: int,
     report: Callable[[str], None],
 ) -> Position | None:
-    """Load the newest valid checkpoint into model/optimizer/scheduler and this rank's RNGs; None if none."""
+    """Load the newest valid checkpoint into the strategy's model/optimizer, the scheduler and this rank's RNGs;
+    None if there is none. A checkpoint of another model is refused (IncompatibleCheckpointError)."""
     state, path = ckpt.load_newest_valid(directory, report=report)
     if state is None:
         report(f"fastpar: no valid checkpoint in {directory}; starting from scratch")
         return None
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    _load_weights(strategy, state, path)
     planned = state.get("total_steps", total_steps)  # checkpoints from before fastpar saved it: assume unchanged
     if scheduler is not None and state.get("scheduler") is not None:
         saved = state["scheduler"]
@@ -113,6 +118,8 @@ def restore(
         mine = ranks[rank]
         ckpt.set_rng_state(mine["rng"])
         batch_in_epoch, loader_state = mine["batch_in_epoch"], mine.get("loader")
+    elif ranks[0]["batch_in_epoch"] >= state.get("batches_per_epoch", float("inf")):
+        epoch += 1  # written at the end of an epoch: the next one starts, at this world size's cut of the data
     else:
         report(
             f"fastpar: checkpoint was written by {len(ranks)} processes, resuming on {world_size}: "
@@ -152,3 +159,58 @@ def _repositioned(fresh: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any
     if isinstance(inner_fresh, list) and isinstance(inner_saved, list) and len(inner_fresh) == len(inner_saved):
         merged["_schedulers"] = [_repositioned(f, s) for f, s in zip(inner_fresh, inner_saved, strict=True)]
     return merged
+
+
+# Strategies whose checkpoint folders hold the same entries: ZeRO-1 and ZeRO-2 both keep flat optimizer slices.
+_SAME_LAYOUT = {"zero1": "zero", "zero2": "zero"}
+
+
+def _load_weights(strategy: Any, state: dict[str, Any], path: Path) -> None:
+    expected = strategy.model_shapes()  # collective for pipeline stages: the whole model's names
+    if sharded.is_sharded_checkpoint(path):
+        saved_by, mine = state.get("sharding"), strategy.name
+        if _SAME_LAYOUT.get(saved_by, saved_by) != _SAME_LAYOUT.get(mine, mine) or not strategy.sharded_checkpoints:
+            raise sharded.IncompatibleCheckpointError(
+                f"the checkpoint {path} was written with sharding={saved_by!r}, this run uses sharding={mine!r}; "
+                f"resume with sharding={saved_by!r}, or start from its weights: "
+                "fastpar.shard.checkpoint.export_consolidated(...) and load them into the model you pass"
+            )
+        sharded.check_compatible(expected, sharded.model_shapes_in(path), str(path))
+        strategy.load_checkpoint(path)
+        return
+    sharded.check_compatible(expected, {k: v.shape for k, v in state["model"].items()}, str(path))
+    strategy.load_full(state["model"], state["optimizer"])
+
+
+def single_file_state(folder: str | Path) -> dict[str, Any]:
+    """A sharded checkpoint folder as a single-file checkpoint (what ``sharding="ddp"`` writes: model and
+    optimizer state whole, the optimizer's keyed by position), for ``checkpoint.save_atomic``. Loads the
+    whole state into this one process."""
+    folder = Path(folder)
+    record = sharded.read_trainer_record(folder)
+    whole = sharded.consolidated_state(folder)
+    model, optim = whole["model"], whole["optim"]
+    if "param_groups" not in optim:  # hyperparameters per parameter: consecutive equal ones make a group
+        groups: list[dict[str, Any]] = []
+        for name in (n for n in model if n in optim["groups_of"]):
+            hyper = optim["groups_of"][name]
+            if groups and {k: v for k, v in groups[-1].items() if k != "params"} == hyper:
+                groups[-1]["params"].append(name)
+            else:
+                groups.append({**hyper, "params": [name]})
+        optim["param_groups"] = groups
+    position = {name: i for i, name in enumerate(n for g in optim["param_groups"] for n in g["params"])}
+    state = {}
+    for name, entry in optim["state"].items():
+        shape = model[name].shape
+        state[position[name]] = {
+            # ZeRO keeps elementwise state flat (in the parameter's memory order): back to the parameter's shape
+            k: v.view(shape) if torch.is_tensor(v) and v.dim() == 1 and v.numel() == model[name].numel() else v
+            for k, v in entry.items()
+        }
+    groups = [{**g, "params": [position[n] for n in g["params"]]} for g in optim["param_groups"]]
+    single = {k: v for k, v in record.items() if k not in ("sharding", "world_size")}
+    single.update(
+        format=ckpt.FORMAT, model=dict(model), optimizer={"state": dict(sorted(state.items())), "param_groups": groups}
+    )
+    return single

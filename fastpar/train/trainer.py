@@ -16,6 +16,39 @@ from .options import TrainingOptions
 from .worker import run_worker
 
 
+def check_resumable(model: Any, newest: Any, strategy: str) -> None:
+    """Refuse, in the launching process, a newest checkpoint of another model (names or shapes) or of a sharding
+    it can't continue. The model is built on the meta device: its shapes, none of its memory. (The workers check
+    again, at every world size, against the checkpoint they load.)"""
+    from ..shard import checkpoint as sharded
+
+    if sharded.is_sharded_checkpoint(newest):
+        try:
+            record, saved = sharded.read_trainer_record(newest), sharded.model_shapes_in(newest)
+        except Exception:  # unreadable: the workers skip it for an older one, and say so
+            return
+        saved_by = record.get("sharding")
+        same = {"zero1": "zero", "zero2": "zero"}
+        if strategy != "auto" and same.get(saved_by, saved_by) != same.get(strategy, strategy):
+            raise sharded.IncompatibleCheckpointError(
+                f"the checkpoint {newest} was written with sharding={saved_by!r}, this run uses sharding={strategy!r}; "
+                f"resume with sharding={saved_by!r}, or start from its weights: "
+                "fastpar.shard.checkpoint.export_consolidated(...) and load them into the model you pass"
+            )
+    else:
+        try:
+            state = torch.load(newest, map_location="cpu", weights_only=True, mmap=True)
+            saved = {k: v.shape for k, v in state["model"].items()}
+        except Exception:
+            return
+    if isinstance(model, torch.nn.Module):
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+    else:
+        with torch.device("meta"):
+            expected = {k: v.shape for k, v in build_model(model).state_dict().items()}
+    sharded.check_compatible(expected, saved, str(newest))
+
+
 @dataclasses.dataclass
 class TrainingResult:
     """What ``Trainer.fit()`` returns on rank 0 (on other ranks of a torchrun job, ``model`` is None)."""
@@ -94,6 +127,8 @@ class Trainer:
                     f"(newest {existing[-1].name}) from an earlier run; pass resume=True to continue from them, "
                     "or use an empty folder"
                 )
+            if existing and opts.resume:
+                check_resumable(self.model, existing[-1], opts.strategy)
         if opts.plots == "training-progress":
             from .._optional import require
 

@@ -12,7 +12,7 @@ import torch
 from test_train import CLASSES, STEPS, TRAIN, VAL, assert_same_parameters, make_model
 
 from fastpar.train import Trainer, TrainingOptions
-from fastpar.train import checkpoint as ckpt
+from fastpar.train.resume import single_file_state
 from fastpar.user_errors import OptionError
 
 
@@ -75,8 +75,10 @@ def test_sharded_run_equals_the_unsharded_run(sharded_run, tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_holds_the_full_state_a_plain_optimizer_loads(sharded_run):
+    """ZeRO writes a sharded folder (every rank its slices); consolidated into one file it is the plain
+    optimizer's state."""
     _, tmp = sharded_run
-    state = torch.load(ckpt.checkpoint_path(tmp / "ck", 12), weights_only=True)
+    state = single_file_state(tmp / "ck" / "ckpt-000000012")
     model = make_model()
     model.load_state_dict(state["model"])
     plain = make_adamw(model.parameters())
@@ -90,7 +92,7 @@ def test_checkpoint_holds_the_full_state_a_plain_optimizer_loads(sharded_run):
 def test_resume_from_a_mid_run_checkpoint_is_exact(sharded_run, tmp_path):
     result, tmp = sharded_run
     (tmp_path / "ck").mkdir()
-    shutil.copy(ckpt.checkpoint_path(tmp / "ck", 12), tmp_path / "ck")
+    shutil.copytree(tmp / "ck" / "ckpt-000000012", tmp_path / "ck" / "ckpt-000000012")
     resumed = fit(tmp_path, shard_optimizer=True, checkpoint_dir=str(tmp_path / "ck"), resume=True)
     assert resumed.start_step == 12 and resumed.steps == STEPS
     assert_same_parameters(resumed.model, result.model)
