@@ -26,6 +26,10 @@ COMMANDS = {
         "memory planner: per-device bytes and step time of DDP, ZeRO, FSDP2, pipeline",
     ),
     "demo": ("fastpar.train.demo", "generate a small image set and train a CNN on it with the Trainer"),
+    "shard-demo": (
+        "fastpar.train.shard_demo",
+        "train a transformer several times one process's memory budget, sharded as the planner picks",
+    ),
     "jobs": ("fastpar.jobs.cli", "background and batch jobs: list, status, logs, result, cancel"),
 }
 # benchmarks that live above fastpar.bench (which must not import them), added to its table: name -> module

@@ -85,15 +85,18 @@ def pipeline_options(
     forward, backward = context.measured.seconds(batch_size, context.seq_len)
     costs = [f + b for f, b in zip(forward, backward, strict=True)]
     chosen = []
+    sizes = [float(layer.numel) for layer in layers]
     for s in candidates:
-        split = balanced_split(costs, s)
+        # the fastest cut, and the cut that balances parameters: when the fastest does not fit, the other may
+        splits = {tuple(balanced_split(costs, s)), tuple(balanced_split(sizes, s))}
         global_batch = batch_size * s
         counts = microbatches or [s * k for k in (1, 2, 4, 8)]
         counts = [m for m in counts if 1 <= m <= global_batch and global_batch % m == 0]
         rows = [
             context.estimate(
-                "pipeline", {"stages": s, "schedule": sched, "microbatches": m, "split": split[1:]}, batch_size
+                "pipeline", {"stages": s, "schedule": sched, "microbatches": m, "split": list(split[1:])}, batch_size
             )
+            for split in sorted(splits)
             for sched in schedules
             for m in counts
         ]

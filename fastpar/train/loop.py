@@ -65,6 +65,7 @@ class Run:
     def __init__(self, job: Job, rank: int, world_size: int, device: torch.device) -> None:
         self.job, self.opts = job, job.options
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.model_state_bytes: dict[str, int] | None = None  # measured at this call's first step (largest rank)
         self.is_main = rank == 0
         opts = self.opts
 
@@ -361,7 +362,19 @@ class Run:
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        if self.model_state_bytes is None:  # the first step: everything a step keeps is there, gradients too
+            self.model_state_bytes = self._largest_model_state()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def _largest_model_state(self) -> dict[str, int]:
+        """The model state of the rank that holds the most (what a memory budget must cover), measured."""
+        mine = self.strategy.model_state_bytes()
+        values = torch.tensor([sum(mine.values()), *mine.values()], dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            everyone = [torch.zeros_like(values) for _ in range(self.world_size)]
+            dist.all_gather(everyone, values)
+            values = max(everyone, key=lambda v: int(v[0]))
+        return dict(zip(("total", *mine), (int(v) for v in values.tolist()), strict=True))
 
     def _start_epoch(self) -> None:
         loader = self.train_loader
@@ -463,4 +476,6 @@ class Run:
             "plot_path": str(self.plot_path) if self.plot_path and self.plot_path.exists() else None,
             "checkpoints": self.checkpoints,
             "elapsed": self.elapsed(),
+            "sharding": self.strategy.name,
+            "model_state_bytes": self.model_state_bytes,
         }

@@ -104,4 +104,6 @@ def _plan_on_rank0(module, optimizer, loss_fn, example_batch, strategy, budget, 
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    from ..costmodel.plan_result import fmt_bytes
+
+    return fmt_bytes(n)

@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{'within' if measured['total'] <= budget else 'OVER'} the budget of {fmt_bytes(budget)}"
     )
     losses = [r["loss"] for r in result.history if r.get("loss") is not None]
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {result.steps} steps (ln(vocab) = {math.log(args.vocab):.3f})")
+    print(
+        f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {result.steps} steps (ln(vocab) = {math.log(args.vocab):.3f})"
+    )
     print(f"metrics        {result.metrics_path}")
     return 0 if measured["total"] <= budget and losses[-1] < losses[0] else 1

@@ -86,6 +86,29 @@ class Strategy:
     def describe(self) -> str:
         return self.name
 
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds now, read from the tensors (each
+        storage once; a sharded tensor's local piece)."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return {
+            "parameters": _storage_bytes(params),
+            "gradients": _storage_bytes(p.grad for p in params),
+            "optimizer_state": _storage_bytes(state),
+        }
+
+
+def _storage_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
 
 class ZeroStrategy(Strategy):
     """ZeRO-1 (optimizer state sharded) or ZeRO-2 (+ gradients) on fastpar's DDP buckets."""
@@ -103,6 +126,10 @@ class ZeroStrategy(Strategy):
 
     def clip(self, max_norm: float) -> None:
         self.optimizer.clip_grad_norm_(max_norm)  # the reduced gradients exist as slices only
+
+    def model_state_bytes(self) -> dict[str, int]:
+        report = self.optimizer.memory_report()  # the flat buffers, the gradient slices and pool, the state
+        return {k: report[k] for k in ("parameters", "gradients", "optimizer_state")}
 
     def load_full(self, model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
         self.optimizer.wait_for_params()  # no all-gather may land on the parameters after the load
@@ -226,6 +253,13 @@ class FsdpStrategy(DcpStrategy):
         return full if self.rank == 0 else None
 
 
+def _microbatches_for(batch_size: int, stages: int, wanted: int) -> int:
+    """The most micro-batches up to ``wanted`` that split ``batch_size`` evenly, preferring at least one per
+    stage (what 1F1B needs)."""
+    divisors = [d for d in range(min(wanted, batch_size), 0, -1) if batch_size % d == 0]
+    return next((d for d in divisors if d >= stages), divisors[0])
+
+
 class PipelineStrategy(DcpStrategy):
     """Layers split into stages (torch.distributed.pipelining schedules); data parallel across stage replicas."""
 
@@ -252,10 +286,12 @@ class PipelineStrategy(DcpStrategy):
                     f"batch_size={opts.batch_size} does not split into {microbatches} micro-batches; set "
                     "TrainingOptions.microbatches to a divisor of batch_size"
                 )
-            microbatches = stages if opts.batch_size % stages == 0 else 1  # the plan's count does not divide
+            microbatches = _microbatches_for(opts.batch_size, stages, microbatches)  # the plan's does not divide
         schedule = opts.pipeline_schedule
         if opts.sharding == "auto" and schedule == "1f1b":  # the default: the plan's schedule
             schedule = planned.get("schedule", schedule)
+        if not opts.microbatches and microbatches < stages and schedule == "1f1b":
+            schedule = "gpipe"  # 1F1B needs a microbatch per stage; a smaller batch still runs as GPipe
         split: Any = "auto"  # measured and balanced by pipeline_model
         if planned.get("split") is not None and planned.get("stages") == stages:
             split = list(planned["split"])  # where stages 1.. begin, as pipeline_model takes it

@@ -63,6 +63,10 @@ class TrainingResult:
     elapsed: float  # seconds of training of the whole run, earlier (resumed) calls included
     start_step: int = 0  # the step this call started (or resumed) at; == steps when there was nothing to train
     start_elapsed: float = 0.0  # seconds of training before this call (a resumed run's earlier calls)
+    sharding: str | None = None  # the strategy that trained: ddp, zero1, zero2, fsdp or pipeline (after "auto")
+    # parameters, gradients, optimizer state and their total, in bytes, on the rank that held the most, measured
+    # after this call's first step (None when it took none)
+    model_state_bytes: dict[str, int] | None = None
 
     @property
     def steps_this_call(self) -> int:
@@ -176,4 +180,6 @@ class Trainer:
             elapsed=raw["elapsed"],
             start_step=raw["start_step"],
             start_elapsed=raw.get("start_elapsed", 0.0),
+            sharding=raw.get("sharding"),
+            model_state_bytes=raw.get("model_state_bytes"),
         )
