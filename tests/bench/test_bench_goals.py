@@ -178,15 +178,19 @@ def test_zero_table_has_one_state_column_and_fixed_width_lines():
 
     _, ctx = prepare("zero", ["--models", "tiny"])
     ctx.backend = "gloo"
-    times = dict(zip(zero.VARIANTS, (1.0, 1.5, 1.5, 1.9, 1.6), strict=True))
+    times = dict(zip(zero.VARIANTS, (1.0, 1.5, 1.5, 1.9, 1.6, 1.7), strict=True))
     state = {
         "no_comm": [8000, 8000],
         "ddp": [8000, 8000],
         "ddp_fastpar": [8000, 8000],
         "zero_torch": [4000, 4000],
         "zero_fastpar": [4100, 3900],
+        "zero2_fastpar": [4100, 3900],
         "_bucket": 100,
         "_numel": 1000,
+        "_buckets": 2,
+        "_pool": [800, 800],
+        "_grads": {v: [4000, 4000] for v in zero.VARIANTS} | {"zero2_fastpar": [2700, 2700]},
     }
     report = zero._report(ctx, zero.ZeroSettings(["tiny"], 8), 2, {"tiny": times}, {"tiny": state})
     table = [line for line in render_table(report).splitlines() if not line.startswith("#")]
@@ -194,7 +198,8 @@ def test_zero_table_has_one_state_column_and_fixed_width_lines():
     assert len(titles) == len(set(titles)) == len(report.columns)
     assert sum("state" in title for title in titles) == 1
     assert len({len(line) for line in table}) == 1  # every row lines up under the titles
-    assert [g.state for g in report.goals] == ["MET", "NOT MET", "MET"]
+    # state per rank, ZeRO-2's gradients (2700 <= 1000 * 4 / 2 + 800 + 8), then 1.6/1.5, 1.6/1.9, 1.7/1.6
+    assert [g.state for g in report.goals] == ["MET", "MET", "NOT MET", "MET", "NOT MET"]
 
 
 def test_a_machine_busier_than_its_cores_is_reported_with_a_warning(monkeypatch, capsys, tmp_path):
