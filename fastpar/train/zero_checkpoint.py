@@ -61,8 +61,8 @@ def zero_state(optimizer: ShardedOptimizer) -> dict[str, Any]:
                 if key in elementwise:
                     offset = zb.start + a - slot.offset
                     entry[key] = sharded.flat_pieces(value[a:b], offset, _owners(zb, slot), slot.numel)
-            # the parameter's own shared state: a slice whose parameters stepped apart keeps it per parameter
-            # only (the slice's state may then have no ``step`` at all)
+            # the parameter's own shared state: where the slice's parameters stepped apart, the slice's own
+            # ``step`` is nobody's (partial_step.py keeps theirs per parameter)
             entry.update(shared)
             state[names[id(slot.param)]] = entry
     return {"state": state, "param_groups": _groups(optimizer, names)}

@@ -77,11 +77,16 @@ def _step_run(
     if shared is _FRESH:  # the optimizer made fresh state for the run: it becomes part of the shard's
         if full is None or not full:
             full = inner.state[zb.shard_param] = {}
-        for k, v in new.items():
+        for k, v in new.items():  # in the optimizer's key order: state_dict() and checkpoints take it from here
             if k in elementwise:
                 if k not in full:
                     full[k] = torch.zeros(zb.shard_numel, dtype=v.dtype, device=v.device)
                 full[k].narrow(0, a, b - a).copy_(v)
+            elif k not in full:
+                # the shard's state has every key the optimizer keeps, shared ones (``step``) included; while its
+                # parameters step apart each has its own value in ``shared_by_slot``, so this one is a placeholder
+                # until they are alike again
+                full[k] = v.clone() if torch.is_tensor(v) else v
     return {k: v for k, v in new.items() if k not in elementwise}
 
 

@@ -22,7 +22,21 @@ class NeverUsed(MLP):
         self.never = torch.nn.Linear(16, 8)
 
 
-MODELS = {**MODELS, "never_used": NeverUsed}
+class UsedFromStepOne(torch.nn.Module):
+    """``NeverUsed`` after a layer every rank uses from step 1 on only (registered first: the start of the
+    bucket, rank 0's shard): in step 0 it has no gradient, so it steps once less than the layers beside it in
+    its bucket; ``body.never`` is never stepped."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = torch.nn.Linear(16, 16)
+        self.body = NeverUsed()
+
+    def forward(self, x, step=0, rank=0):
+        return self.body(x + self.late(x) if step >= 1 else x, step, rank)
+
+
+MODELS = {**MODELS, "never_used": NeverUsed, "used_from_step_one": UsedFromStepOne}
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.01}),
