@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .. import launcher
+from ..user_errors import OptionError
 from . import checkpoint as ckpt
 from .data import check_exists
 from .environment import resolve
@@ -160,6 +161,8 @@ class Trainer:
             raw = launcher.launch_agent(run_worker, (job,), nproc_per_node=plan.nprocs, max_restarts=opts.max_restarts)[
                 0
             ]
+            if raw is not None and "refused" in raw:
+                raise OptionError(*raw["refused"])
         else:  # one process here, or this process is already a torchrun worker
             raw = run_worker(job)
         return self._result(raw)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..launcher import join_process_group, set_threads
+from ..user_errors import OptionError
 from .job import Job
 from .loop import Run
 
@@ -36,6 +37,12 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         )
     try:
         return Run(job, rank, world_size, device).train()
+    except OptionError as exc:
+        if plan.nprocs <= 1:
+            raise
+        # refused before the first step, alike on every rank (e.g. no sharding fits memory_budget): the launching
+        # process raises it again, as one message instead of every worker's traceback
+        return {"refused": (exc.option, str(exc))}
     finally:
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
