@@ -35,14 +35,20 @@ def run_worker(job: Job) -> dict[str, Any] | None:
             timeout_s=job.collective_timeout_s,
             device=device,
         )
+    finished = False  # every rank got here alike: safe to wait for the others before the group goes
     try:
-        return Run(job, rank, world_size, device).train()
+        result = Run(job, rank, world_size, device).train()
+        finished = True
+        return result
     except OptionError as exc:
         if plan.nprocs <= 1:
             raise
         # refused before the first step, alike on every rank (e.g. no sharding fits memory_budget): the launching
         # process raises it again, as one message instead of every worker's traceback
+        finished = True
         return {"refused": (exc.option, str(exc))}
     finally:
         if own_group and dist.is_initialized():
+            if finished:  # gloo aborts a process whose peer tears the group down while it finishes its last collective
+                dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
             dist.destroy_process_group()
