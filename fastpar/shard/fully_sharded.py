@@ -21,6 +21,7 @@ from torch import nn
 
 from .meta_init import InitFn, build_on_meta, materialize_shards
 from .precision import PrecisionSpec, precision_policy
+from .tensor_bytes import storage_bytes
 from .wrap_policy import WrapPolicy, select_units
 
 ModelOrBuilder = nn.Module | Callable[[], nn.Module]
@@ -145,24 +146,9 @@ def fsdp_memory_report(model: nn.Module) -> dict[str, int]:
     and ``"gradients"`` (the shards of ``.grad`` after a backward, 0 after ``zero_grad()``), counted from the
     local tensors' storages (a storage shared by several tensors counts once)."""
     return {
-        "parameters": _storage_bytes(p for p in model.parameters()),
-        "gradients": _storage_bytes(p.grad for p in model.parameters() if p.grad is not None),
+        "parameters": storage_bytes(p for p in model.parameters()),
+        "gradients": storage_bytes(p.grad for p in model.parameters() if p.grad is not None),
     }
-
-
-def _storage_bytes(tensors) -> int:
-    from torch.distributed.tensor import DTensor
-
-    seen: set[tuple[str, int]] = set()
-    total = 0
-    for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        storage = local.untyped_storage()
-        key = (str(local.device), storage.data_ptr())
-        if storage.nbytes() and key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
 
 
 def _resolve_device(device, model: nn.Module | None, group) -> torch.device:

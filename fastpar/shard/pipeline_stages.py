@@ -29,6 +29,7 @@ from torch import nn
 from .pipeline_layout import PipelineLayout, pipeline_layout
 from .pipeline_profile import PipelineConfigError, microbatch_of, model_layers, profile_layers
 from .pipeline_split import PipelineSplit, check_batch, check_pipeline_shape, choose_split
+from .tensor_bytes import storage_bytes
 
 __all__ = ["PipelinedModel", "pipeline_memory_report", "pipeline_model"]
 
@@ -296,9 +297,6 @@ def pipeline_memory_report(pipelined: PipelinedModel) -> dict[str, int]:
     """This rank's bytes of ``"parameters"`` and ``"gradients"`` (0 before the first backward), read from the
     tensors themselves: each storage counted once, whole (gradients that are views into a DDP bucket count the
     bucket they live in)."""
-
-    def storage_bytes(tensors) -> int:
-        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
     params = list(pipelined.parameters())
     return {

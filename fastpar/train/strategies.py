@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..shard import checkpoint as sharded
+from ..shard.tensor_bytes import storage_bytes
 from .job import Job, build_model, build_optimizer, wrap_ddp
 
 
@@ -92,22 +93,10 @@ class Strategy:
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         state = [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         return {
-            "parameters": _storage_bytes(params),
-            "gradients": _storage_bytes(p.grad for p in params),
-            "optimizer_state": _storage_bytes(state),
+            "parameters": storage_bytes(params),
+            "gradients": storage_bytes(p.grad for p in params),
+            "optimizer_state": storage_bytes(state),
         }
-
-
-def _storage_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
 
 
 class ZeroStrategy(Strategy):

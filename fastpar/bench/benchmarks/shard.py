@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...shard.tensor_bytes import storage_bytes
 from ...user_errors import UserError
 from .. import launch
 from ..context import BenchContext
@@ -73,22 +74,6 @@ def _loss(out: torch.Tensor, _target: torch.Tensor | None = None) -> torch.Tenso
 
 def _adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _storage_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = _local(t).untyped_storage()
-        if storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer):
@@ -161,9 +146,9 @@ class Trainee:
             return {k: report[k] for k in ("parameters", "gradients", "optimizer_state")}
         params = list(self.pipelined.parameters() if self.pipelined is not None else self.model.parameters())
         return {
-            "parameters": _storage_bytes(params),
-            "gradients": _storage_bytes(p.grad for p in params),
-            "optimizer_state": _storage_bytes(_state_tensors(self.optimizer)),
+            "parameters": storage_bytes(params),
+            "gradients": storage_bytes(p.grad for p in params),
+            "optimizer_state": storage_bytes(_state_tensors(self.optimizer)),
         }
 
 
