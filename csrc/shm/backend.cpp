@@ -147,6 +147,7 @@ std::string ShmBackend::attach(const std::string& name, uint64_t token) {
     auto executor = std::make_shared<Executor>(std::move(group));
     executor->start();
     executor_ = std::move(executor);
+    shared_ = std::make_unique<SharedBuffers>(name, rank_, size_);
     reason_.clear();
   } catch (const std::exception& e) {
     reason_ = message_of(e);
@@ -157,7 +158,13 @@ std::string ShmBackend::attach(const std::string& name, uint64_t token) {
 void ShmBackend::detach(const std::string& reason) {
   if (executor_) executor_->shutdown();
   executor_.reset();
+  shared_.reset();  // buffers already made stay mapped as long as their tensors; their all-reduces go to gloo
   reason_ = reason;
+}
+
+SharedBuffers& ShmBackend::shared_buffers() {
+  TORCH_CHECK(shared_ != nullptr, "fastpar shm backend: shared buffers need the shared-memory path (", reason_, ")");
+  return *shared_;
 }
 
 void ShmBackend::set_thread_policy(int64_t spin_us, int summation_threads) {
@@ -211,9 +218,24 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce(std::vector<at::Tensor>& te
   if (!executor_ || tensors.size() != 1 || !reducible_tensor(tensors[0]) || !sum_or_avg(opts.reduceOp)) {
     return gloo_->allreduce(tensors, opts);
   }
+  const auto timeout = op_timeout(opts.timeout);
+  const at::Tensor& user = tensors[0];
+  int64_t offset = 0;
+  if (user.is_contiguous() && !user.is_complex()) {
+    const auto bytes = static_cast<size_t>(user.numel()) * user.element_size();
+    if (auto region = shared_->find(user.const_data_ptr(), bytes, &offset)) {  // a DDP bucket: nothing to stage
+      const Reduction reduction{user.scalar_type(), opts.reduceOp.op_ == c10d::ReduceOp::AVG};
+      const int64_t numel = user.numel();
+      return enqueue(OpType::ALLREDUCE, "fastpar:all_reduce", tensors,
+                     [region, offset, numel, reduction, timeout](Group& g) {
+                       std::vector<char*> bases(region->bases.size());
+                       for (size_t q = 0; q < bases.size(); ++q) bases[q] = region->bases[q] + offset;
+                       shm::all_reduce_shared(g, bases, numel, reduction, region->id, offset, timeout);
+                     });
+    }
+  }
   const Dense t(tensors[0], Order::kStorage);
   const Reduction reduction = reduction_of(t, opts.reduceOp);
-  const auto timeout = op_timeout(opts.timeout);
   return enqueue(OpType::ALLREDUCE, "fastpar:all_reduce", tensors, [t, reduction, timeout](Group& g) {
     shm::all_reduce(g, t.ptr(), t.numel(), reduction, timeout);
     t.write_back();

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "shm/collectives.h"
+#include "shm/shared_buffers.h"
 #include "shm/work.h"
 
 namespace pybind11 {
@@ -41,6 +42,9 @@ class ShmBackend : public c10d::Backend {
   // first wait, then waited for: allreduce_coalesced without the dispatcher's per-tensor boxing, for callers that
   // hold the tensors until it returns (fastpar.ddp.CoalescedAllReduce). Needs the shared-memory path.
   void all_reduce_lists(const std::vector<std::vector<at::Tensor>>& lists);
+  // Buffers every rank maps (shared_buffers.h; created collectively by fastpar/comm/shared_buffers.py). An
+  // all-reduce of a contiguous tensor inside one runs without staging. Needs the shared-memory path.
+  SharedBuffers& shared_buffers();
 
   const std::string getBackendName() const override { return "fastpar"; }
   c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
@@ -107,6 +111,7 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<Options> options_;
   std::shared_ptr<Executor> executor_;  // null: everything goes to gloo
+  std::unique_ptr<SharedBuffers> shared_;  // with the executor
   std::string reason_;
   std::atomic<uint64_t> seq_{0};  // collectives issued (DDP and the profiler read it)
 };

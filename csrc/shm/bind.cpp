@@ -102,6 +102,62 @@ void bind(pybind11::module_& m) {
       py::arg("backend"), py::arg("lists"),
       "All-reduce (SUM) each list of CPU tensors in place, one collective per list, all in flight before the first "
       "wait; returns when all are done");
+  // The collective creation of a shared buffer, step by step (fastpar/comm/shared_buffers.py runs the steps and
+  // agrees between them whether every rank succeeded).
+  auto shared_of = [](const c10::intrusive_ptr<c10d::Backend>& backend) -> SharedBuffers& {
+    auto* shm = dynamic_cast<ShmBackend*>(backend.get());
+    TORCH_CHECK(shm != nullptr, "shared buffers need a 'fastpar' backend, got ", backend->getBackendName());
+    return shm->shared_buffers();
+  };
+  m.def(
+      "shm_shared_create",
+      [shared_of](const c10::intrusive_ptr<c10d::Backend>& backend, int64_t bytes) {
+        return shared_of(backend).create(static_cast<size_t>(bytes));
+      },
+      py::arg("backend"), py::arg("bytes"), "Step 1: create and map this rank's file; returns the buffer's id");
+  m.def(
+      "shm_shared_map_peers",
+      [shared_of](const c10::intrusive_ptr<c10d::Backend>& backend, int64_t id) { shared_of(backend).map_peers(id); },
+      py::arg("backend"), py::arg("id"), "Step 2: map the other ranks' files");
+  m.def(
+      "shm_shared_unlink",
+      [shared_of](const c10::intrusive_ptr<c10d::Backend>& backend, int64_t id) { shared_of(backend).unlink_own(id); },
+      py::arg("backend"), py::arg("id"), "Step 3: remove this rank's name (every rank mapped it)");
+  m.def(
+      "shm_shared_tensor",
+      [shared_of](const c10::intrusive_ptr<c10d::Backend>& backend, int64_t id, at::ScalarType dtype,
+                  int64_t numel) { return shared_of(backend).tensor(id, dtype, numel); },
+      py::arg("backend"), py::arg("id"), py::arg("dtype"), py::arg("numel"),
+      "Step 4: the flat tensor over this rank's buffer");
+  m.def(
+      "shm_shared_release",
+      [shared_of](const c10::intrusive_ptr<c10d::Backend>& backend, int64_t id) { shared_of(backend).release(id); },
+      py::arg("backend"), py::arg("id"), "Drop a buffer whose creation failed on some rank");
+  m.def(
+      "shm_all_reduce_runs",
+      [](const c10::intrusive_ptr<c10d::Backend>& backend, const py::sequence& tensors) {
+        auto* shm = dynamic_cast<ShmBackend*>(backend.get());
+        TORCH_CHECK(shm != nullptr, "shm_all_reduce_runs needs a 'fastpar' backend, got ", backend->getBackendName());
+        // One list per run of one dtype, split here: the caller does no per-tensor Python work.
+        std::vector<std::vector<at::Tensor>> lists;
+        size_t i = 0;
+        for (const auto& item : tensors) {
+          TORCH_CHECK_TYPE(THPVariable_Check(item.ptr()), "all_reduce_coalesced: tensors[", i, "] is not a tensor");
+          const at::Tensor& t = THPVariable_Unpack(item.ptr());
+          const auto dtype = t.scalar_type();
+          TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+                           "all_reduce_coalesced: tensors[", i, "] has dtype ", dtype,
+                           "; use float32/float16/bfloat16");
+          if (lists.empty() || lists.back().front().scalar_type() != dtype) lists.emplace_back();
+          lists.back().push_back(t);
+          ++i;
+        }
+        py::gil_scoped_release no_gil;
+        shm->all_reduce_lists(lists);
+      },
+      py::arg("backend"), py::arg("tensors"),
+      "All-reduce (SUM) CPU tensors in place, one list collective per run of one dtype (float32/float16/"
+      "bfloat16); returns when all are done");
   m.def("shm_create", &Segment::create, py::arg("name"), py::arg("world"), py::arg("slot_bytes"), py::arg("buffers"),
         py::arg("token"),
         "Create and initialise a group's segment in /dev/shm (mode 0600, pages reserved)");

@@ -186,6 +186,39 @@ void all_reduce(Group& g, const std::vector<Span>& spans, Reduction reduction, s
       });
 }
 
+void all_reduce_shared(Group& g, const std::vector<char*>& bases, int64_t numel, Reduction reduction, int64_t id,
+                       int64_t offset, std::chrono::milliseconds timeout) {
+  const int world = g.world();
+  const int rank = g.rank();
+  const size_t es = c10::elementSize(reduction.dtype);
+  const RingOrder order(world, numel, es);
+  OpDesc desc = reduce_desc(OpKind::kAllReduceShared, numel, reduction);
+  desc.shared_id = id;
+  desc.shared_offset = offset;
+  const uint64_t step = g.begin(desc, timeout, 1);
+  g.signal(Counter::kArrive, step);  // this rank's copy holds its values: the others may read it
+  g.wait_all(Counter::kArrive, step);
+  g.check_same_call(step);
+  const auto [b, e] = share_range(rank, share_of(numel, world, es), numel);
+  // Pieces the size of a staging slot: with more than two ranks the sums are copied to the others while in cache.
+  const int64_t piece = std::max<int64_t>(1, static_cast<int64_t>(g.slot_bytes() / es));
+  const void* src[kMaxRanks];
+  for (int64_t lo = b; lo < e; lo += piece) {
+    const int64_t n = std::min(piece, e - lo);
+    for (int q = 0; q < world; ++q) src[q] = bases[q] + lo * es;
+    char* mine = bases[rank] + lo * es;
+    char* other = world == 2 ? bases[1 - rank] + lo * es : nullptr;
+    reduce_ordered(src, mine, other, n, lo, order, reduction.dtype, reduction.average);
+    if (world > 2) {
+      for (int q = 0; q < world; ++q) {
+        if (q != rank) copy_bytes(bases[q] + lo * es, mine, n * es);
+      }
+    }
+  }
+  g.signal(Counter::kDone, step);  // this rank's share is in every copy
+  g.wait_all(Counter::kDone, step);  // every share is in this rank's copy, and nobody reads it any more
+}
+
 void reduce_scatter(Group& g, const std::vector<const void*>& parts, void* out, int64_t count, int64_t order_numel,
                     const std::vector<int64_t>& part_offsets, Reduction reduction, std::chrono::milliseconds timeout) {
   const int world = g.world();

@@ -31,6 +31,12 @@ void all_reduce(Group& group, void* data, int64_t numel, Reduction reduction, st
 // into a flat buffer, no unpack), with the bits of an all-reduce of the concatenation (gloo's allreduce_coalesced).
 void all_reduce(Group& group, const std::vector<Span>& spans, Reduction reduction, std::chrono::milliseconds timeout);
 
+// The same over a shared buffer every rank maps (shared_buffers.h): `bases[q]` is rank q's copy of the `numel`
+// elements (at byte `offset` of buffer `id`, which every rank must pass alike). Nothing is staged: rank q sums share q
+// of everyone's copy, in gloo's order, and writes it into every copy -- per rank one read and one write of the data.
+void all_reduce_shared(Group& group, const std::vector<char*>& bases, int64_t numel, Reduction reduction, int64_t id,
+                       int64_t offset, std::chrono::milliseconds timeout);
+
 // out (count elements) = sum over ranks of their parts[rank]. `order_numel` / `part_offsets[q]` place the parts in
 // the all-reduce whose order the sum follows: gloo reduce-scatters a tensor by all-reducing the whole input
 // (order_numel = world * count, offsets q * count) and a list by all-reducing each part alone (count, 0).

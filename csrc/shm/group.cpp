@@ -103,6 +103,7 @@ std::string arguments(const OpDesc& desc) {
   }
   if (desc.root >= 0) out << ", root " << desc.root;
   if (desc.reduce >= 0) out << (desc.reduce == 1 ? ", avg" : ", sum");  // c10d::ReduceOp: SUM 0, AVG 1
+  if (desc.shared_id >= 0) out << ", shared buffer " << desc.shared_id << " at byte " << desc.shared_offset;
   out << ")";
   return out.str();
 }
@@ -121,6 +122,8 @@ const char* op_name(OpKind kind) {
       return "broadcast";
     case OpKind::kBarrier:
       return "barrier";
+    case OpKind::kAllReduceShared:
+      return "all_reduce (of a shared buffer)";
     case OpKind::kNone:
       break;
   }
@@ -323,7 +326,8 @@ void Group::check_same_call(uint64_t first, int only_rank) {
     if (q == rank_ || (only_rank >= 0 && q != only_rank)) continue;
     const OpDesc& theirs = segment_.rank(q).desc[first % kDescRing];
     if (theirs.kind == mine.kind && theirs.dtype == mine.dtype && theirs.count == mine.count &&
-        theirs.root == mine.root && theirs.reduce == mine.reduce && theirs.seq == mine.seq) {
+        theirs.root == mine.root && theirs.reduce == mine.reduce && theirs.seq == mine.seq &&
+        theirs.shared_id == mine.shared_id && theirs.shared_offset == mine.shared_offset) {
       continue;
     }
     abort("collective mismatch at collective #" + std::to_string(mine.seq) + ": rank " + std::to_string(rank_) +

@@ -14,7 +14,15 @@
 
 namespace fastpar::shm {
 
-enum class OpKind : uint32_t { kNone = 0, kAllReduce, kReduceScatter, kAllGather, kBroadcast, kBarrier };
+enum class OpKind : uint32_t {
+  kNone = 0,
+  kAllReduce,
+  kReduceScatter,
+  kAllGather,
+  kBroadcast,
+  kBarrier,
+  kAllReduceShared,  // of a shared buffer (shared_buffers.h): nothing staged
+};
 const char* op_name(OpKind kind);
 
 class Group {

@@ -16,7 +16,7 @@
 namespace fastpar::shm {
 namespace {
 
-constexpr uint64_t kMagic = 0x66617374706172'03ULL;  // "fastpar", layout version 3
+constexpr uint64_t kMagic = 0x66617374706172'04ULL;  // "fastpar", layout version 4
 constexpr size_t kPage = 4096;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }

@@ -33,6 +33,8 @@ struct OpDesc {
   int32_t root = -1;
   int32_t reduce = -1;  // c10d::ReduceOp::RedOpType, -1 for none
   uint64_t seq = 0;  // collective number in this group, from 1
+  int64_t shared_id = -1;  // an all-reduce of a shared buffer (shared_buffers.h): its id and the byte offset
+  int64_t shared_offset = -1;
 };
 
 struct alignas(64) PaddedCounter {

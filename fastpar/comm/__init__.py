@@ -12,6 +12,7 @@ group that spans hosts, runs on gloo. ``import fastpar`` registers the name::
 from .backend import (
     BACKEND_NAME,
     all_reduce_lists,
+    all_reduce_runs,
     is_available,
     reduces_lists,
     register,
@@ -24,6 +25,7 @@ from .segments import list_segments, sweep_stale_segments
 __all__ = [
     "BACKEND_NAME",
     "all_reduce_lists",
+    "all_reduce_runs",
     "is_available",
     "list_segments",
     "reduces_lists",

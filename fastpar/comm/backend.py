@@ -202,13 +202,23 @@ def all_reduce_lists(lists, group=None) -> None:
     summing into them where they lie (the bits of an all-reduce of the list's concatenation, gloo's
     ``all_reduce_coalesced``), all in flight before the first wait; returns when all are done. Each list holds one
     float dtype. Needs :func:`reduces_lists`."""
+    loader.extension().shm_all_reduce_lists(_required_shm_backend(group, "all_reduce_lists"), lists)
+
+
+def all_reduce_runs(tensors, group=None) -> None:
+    """All-reduce (SUM) CPU tensors (float32/float16/bfloat16) in place: one list collective per run of one dtype,
+    split in C++ (no per-tensor Python work). Needs :func:`reduces_lists`."""
+    loader.extension().shm_all_reduce_runs(_required_shm_backend(group, "all_reduce_runs"), tensors)
+
+
+def _required_shm_backend(group, caller: str):
     backend = _shm_backend(group)
     if backend is None:
         raise RuntimeError(
-            "all_reduce_lists needs a process group on fastpar's shared-memory backend "
+            f"{caller} needs a process group on fastpar's shared-memory backend "
             "(init_process_group('fastpar') with every rank on this host); use torch.distributed.all_reduce_coalesced"
         )
-    loader.extension().shm_all_reduce_lists(backend, lists)
+    return backend
 
 
 def thread_policy(group=None) -> dict | None:

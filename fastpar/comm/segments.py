@@ -64,6 +64,8 @@ def segment_name(group: str) -> str:
 def _creator_gone(name: str) -> bool:
     """True only when the process that made segment ``name`` surely no longer runs."""
     parts = name.split(".")
+    if len(parts) == 10 and parts[8].startswith("b") and parts[9].startswith("r"):
+        parts = parts[:8]  # a shared buffer of the segment's group (shared_buffers.py): its segment's creator
     if len(parts) != 8:
         return False  # not in the expected form (another version's): leave it
     _, _, boot, namespace, pid, start, _, _ = parts

@@ -6,8 +6,9 @@ bucket k+1 overlaps reducing bucket k; bucket k is unpacked the moment its colle
 between packs (``pipeline.FinishQueue``), then in order -- while later buckets are still on the wire.
 On GPUs every step is stream-ordered (pack and unpack on the current stream, the collective on NCCL's),
 so the host never waits. On the "fastpar" backend's shared memory a bucket needs no flat buffer at all: the
-backend stages every tensor and sums into it where it lies (one list collective per bucket), so the pack and
-unpack passes disappear; the buckets and their summation order are the same as on the packed path.
+backend stages every tensor and sums into it where it lies (one list collective per bucket; at two ranks one per
+run of same-dtype buckets, as the order of a two-value sum changes no bit), so the pack and unpack passes
+disappear; the sums are bit for bit those of the packed path.
 
 :class:`CoalescedAllReduce` prepares the plan and the flat buffers once for a fixed list of tensors (as
 DDP builds its buckets once): a call then does no per-tensor Python work. :func:`all_reduce_coalesced`
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from ..comm import all_reduce_lists, reduces_lists
+from ..comm import all_reduce_lists, all_reduce_runs, reduces_lists
 from .buckets import assign_buckets, default_caps
 from .pipeline import FinishQueue
 
@@ -55,6 +56,12 @@ def reduces_in_place(group: dist.ProcessGroup | None, tensors: Sequence[torch.Te
     """Whether ``group`` reduces a list of ``tensors`` where they lie, with nothing to pack: the "fastpar" backend on
     shared memory, CPU tensors, no scaling (a scale would be one more pass over every tensor)."""
     return scale == 1.0 and bool(tensors) and tensors[0].device.type == "cpu" and reduces_lists(group)
+
+
+# Two ranks: the in-place path ignores the buckets -- one list collective per run of one dtype. A sum of two values
+# has the same bits in either order (IEEE addition commutes), so the bucket boundaries, which only decide the
+# summation order, change nothing, and one collective costs one start instead of one per bucket. At more ranks one
+# collective per bucket keeps the packed path's summation order.
 
 
 def _reduce_buckets(buckets: Sequence[_Bucket], group: dist.ProcessGroup | None, scale: float, works: list) -> None:
@@ -95,6 +102,9 @@ class CoalescedAllReduce:
         plan = plan_coalesced_buckets(tensors, bucket_cap_mb, dist.get_world_size(group)) if tensors else []
         self.lists = [[tensors[i] for i in indices] for indices in plan]
         self.in_place = reduces_in_place(group, tensors, 1.0)
+        # see "Two ranks" above _reduce_buckets
+        two = self.in_place and dist.get_world_size(group) == 2
+        self._runs = [t for members in self.lists for t in members] if two else None
         self._flats: list[torch.Tensor] | None = None  # made on the first packed call
 
     @property
@@ -109,7 +119,10 @@ class CoalescedAllReduce:
 
     def __call__(self, scale: float = 1.0) -> None:
         if self.in_place and scale == 1.0:
-            all_reduce_lists(self.lists, self.group)
+            if self._runs is not None:
+                all_reduce_runs(self._runs, self.group)
+            else:
+                all_reduce_lists(self.lists, self.group)
             return
         _reduce_buckets(self.buckets, self.group, scale, [])
 
@@ -199,7 +212,11 @@ def all_reduce_coalesced(
     tensors = list(tensors)
     if not tensors:
         return
-    plan = _plans.plan(tensors, bucket_cap_mb, dist.get_world_size(group))
+    world_size = dist.get_world_size(group)
+    if world_size == 2 and reduces_in_place(group, tensors, scale):  # no plan: see "Two ranks" above
+        all_reduce_runs(tensors, group)  # checks the dtypes
+        return
+    plan = _plans.plan(tensors, bucket_cap_mb, world_size)
     if reduces_in_place(group, tensors, scale):
         all_reduce_lists([[tensors[i] for i in indices] for indices in plan], group)
         return

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel as _TorchDDP
 
+from ..comm import shared_buffers
 from . import _setup
 from .buckets import default_caps
 from .comm_hooks import builtin_hook
@@ -120,7 +121,9 @@ class DistributedDataParallel(_TorchDDP):
         world_size = self.process_group.size()
         caps, initial_caps = _setup.bucket_caps(self, parameters, static_graph, world_size)
         if not options.caps_given:  # fastpar's layout where it cannot change the bits
-            default = default_caps(parameters, world_size)
+            on_cpu = bool(parameters) and parameters[0].device.type == "cpu"
+            shared = on_cpu and shared_buffers.available(self.process_group)
+            default = default_caps(parameters, world_size, shared_buckets=shared)
             initial_caps = initial_caps if initial_caps != caps else default
             caps = default
         self.reducer = Reducer(

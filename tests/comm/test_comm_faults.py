@@ -278,7 +278,7 @@ def test_peer_dying_during_init_leaves_nothing_in_dev_shm():
     assert kind == "error" and "rank(s) [1]" in message, outcome[0]
 
 
-_SEGMENT_MAGIC = 0x66617374706172_03  # csrc/shm_segment.cpp kMagic
+_SEGMENT_MAGIC = 0x66617374706172_04  # csrc/shm/segment.cpp kMagic
 _ABORTED_OFFSET = 128  # offsetof(Header, aborted): after two 64-byte lines
 
 

@@ -157,8 +157,9 @@ def test_mixed_dtypes_get_separate_buckets(features):
 
 
 @pytest.mark.slow
-def test_join_with_uneven_inputs_matches_torch():
-    assert spawn(_join_rank, 2, timeout=120) == [[], []]
+@pytest.mark.parametrize("backend", ["gloo", "fastpar"])  # fastpar: its buckets live in shared memory
+def test_join_with_uneven_inputs_matches_torch(backend):
+    assert spawn(_join_rank, 2, backend=backend, timeout=120) == [[], []]
 
 
 def _accumulate_rank(rank: int, world_size: int) -> dict:
@@ -242,8 +243,9 @@ def _join_unused_rank(rank: int, world_size: int) -> dict:
     return {"differ": differ, "sometimes_moved_in_shadow": moved}
 
 
-def test_join_with_unused_parameters_matches_torch():
-    results = spawn(_join_unused_rank, 2, timeout=180)
+@pytest.mark.parametrize("backend", ["gloo", "fastpar"])
+def test_join_with_unused_parameters_matches_torch(backend):
+    results = spawn(_join_unused_rank, 2, backend=backend, timeout=180)
     differ = {f"rank {rank}": r["differ"] for rank, r in enumerate(results) if r["differ"]}
     assert not differ, f"differs from torch DDP: {differ}"
     assert results[1]["sometimes_moved_in_shadow"]  # the case exercises the joined rank's used map

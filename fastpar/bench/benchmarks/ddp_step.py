@@ -123,11 +123,14 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: DdpSetti
     variants = wires(settings.variants, peer_group is not None)
     results: dict[str, dict[str, float]] = {}
     cpu: dict[str, dict[str, float]] = {}
-    fastpar_caps: dict[str, float] = {}
+    fastpar_caps: dict[str, str] = {}
     auto_notes: list[str] = []
     for model_name in settings.models:
         width = MODELS[model_name][0]
-        fastpar_caps[model_name] = fastpar_cap_mb(build_model(model_name))
+        caps = f"{fastpar_cap_mb(build_model(model_name)):g}"
+        if peer_group is not None:  # the gloo twins get fastpar's cap on gloo
+            caps += f" ({fastpar_cap_mb(build_model(model_name), peer_group):g} on gloo)"
+        fastpar_caps[model_name] = caps
         trainees = {v: Trainee(v, model_name, device, settings.lr, peer_group) for v in variants}
         check_batch = torch.randn(settings.batch, width, generator=torch.Generator().manual_seed(1)).to(device)
         check_one_step(trainees, check_batch, lambda v: _tolerance(v, world_size), model_name)
@@ -197,7 +200,7 @@ def _report(
     world_size: int,
     results: dict[str, dict[str, float]],
     cpu: dict[str, dict[str, float]],
-    fastpar_caps: dict[str, float],
+    fastpar_caps: dict[str, str],
     auto_notes: list[str],
 ) -> BenchReport:
     rows, footer, goals = [], [], []
@@ -219,7 +222,7 @@ def _report(
             )
         footer += [f"beyond a bound: {flag}" for flag in floor_flags(model_name, seconds).values()]
         goals += step_goals(model_name, seconds, ctx.backend)
-    caps = ", ".join(f"{m} bucket_cap_mb={c:g}" for m, c in fastpar_caps.items())
+    caps = ", ".join(f"{m} bucket_cap_mb={c}" for m, c in fastpar_caps.items())
     models = ", ".join(f"{m} ({NICKNAMES[m]})" for m in results)
     twins = any(on_gloo_twin(v) for seconds in results.values() for v in seconds)
     wire = f"{ctx.backend}; variants ending in {GLOO}: a gloo group over the same ranks" if twins else None

@@ -90,12 +90,15 @@ def available_variants() -> tuple[list[str], list[str]]:
     return names, notes
 
 
-def fastpar_cap_mb(model: nn.Module) -> float:
-    """The bucket cap (MB) fastpar's DDP picks for ``model`` on this process group when given none."""
+def fastpar_cap_mb(model: nn.Module, group=None) -> float:
+    """The bucket cap (MB) fastpar's DDP picks for ``model`` on ``group`` (None: the default group) when given
+    none."""
+    from ...comm import shared_buffers
     from ...ddp.buckets import default_caps
 
     params = [p for p in model.parameters() if p.requires_grad]
-    return default_caps(params, dist.get_world_size())[-1] / 2**20
+    shared = bool(params) and params[0].device.type == "cpu" and shared_buffers.available(group)
+    return default_caps(params, dist.get_world_size(group), shared_buckets=shared)[-1] / 2**20
 
 
 class NoOverlap:
@@ -134,9 +137,9 @@ def wrap(variant: str, model: nn.Module, group=None) -> nn.Module:
     if variant == "ddp_batched_copy":
         return TorchDDP(model, batched_grad_copy=True, **torch_ddp)
     if variant == "ddp_fastpar_cap":
-        return TorchDDP(model, bucket_cap_mb=fastpar_cap_mb(model), **torch_ddp)
+        return TorchDDP(model, bucket_cap_mb=fastpar_cap_mb(model, group), **torch_ddp)
     if variant == "ddp_view_cap":
-        return TorchDDP(model, bucket_cap_mb=fastpar_cap_mb(model), gradient_as_bucket_view=True, **torch_ddp)
+        return TorchDDP(model, bucket_cap_mb=fastpar_cap_mb(model, group), gradient_as_bucket_view=True, **torch_ddp)
     if variant == "ddp_fp16_hook":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
