@@ -93,9 +93,8 @@ class Reducer:
         self.comm_hook: tuple | None = None  # (hook, state)
         self.bucket_collective: BucketCollective | None = None  # set only by install_bucket_collective
         self._comm_alloc = _shared_buckets(group, self.device)
-        self.buckets = build_buckets(
-            self.slots, initial_layout(params, initial_caps), grad_views, grad_dtype, comm_alloc=self._comm_alloc
-        )
+        self._share_pending = self._comm_alloc is not None  # private until the first forward: _share_buckets
+        self.buckets = build_buckets(self.slots, initial_layout(params, initial_caps), grad_views, grad_dtype)
         diagnoser = StuckBucketDiagnoser(group, instance_id)
         self.waiter = BucketWaiter(self.device, pg_timeout_seconds(group, self.device), diagnoser.diagnose)
         self.timer = WaitTimer(self.device)
@@ -193,7 +192,20 @@ class Reducer:
         if self.auto is not None and self.auto.due:
             self._check_health()
             self.auto.decide(self)
+        if self._share_pending:
+            self._share_buckets()
         return rebuilt
+
+    def _share_buckets(self) -> None:
+        """Move the buckets into shared memory (the same layout; .grad views move along). At the first forward
+        with grad, a point every rank passes together (torch rebuilds its buckets there, and a joined rank's join
+        hook calls it too), not at construction: a model unpickled or deep-copied on one rank alone must not wait
+        for the others."""
+        self._share_pending = False
+        if self.bucket_collective is None:
+            self.buckets = build_buckets(
+                self.slots, self.layout(), self.grad_views, self.grad_dtype, comm_alloc=self._comm_alloc
+            )
 
     def _rebuild_in_arrival_order(self) -> bool:
         if not self._should_rebuild() or not self.rebuild_order:
@@ -217,6 +229,7 @@ class Reducer:
         if self.bucket_collective is not None:
             self.bucket_collective.follow_layout(assignment)
         elif assignment != self.layout():
+            self._share_pending = False
             self.buckets = build_buckets(
                 self.slots, assignment, self.grad_views, self.grad_dtype, comm_alloc=self._comm_alloc
             )
@@ -384,7 +397,8 @@ class Reducer:
     def _update_process_group(self, group: dist.ProcessGroup) -> None:
         self._reset_state()
         self.group, self.world_size = group, group.size()
-        self._comm_alloc = _shared_buckets(group, self.device)  # buckets made from now on
+        self._comm_alloc = _shared_buckets(group, self.device)  # buckets move there at the next forward
+        self._share_pending = self._comm_alloc is not None
         if self._native is not None:  # its collectives go to the new group
             self._native.remove_hooks()
             self._attach_hooks()

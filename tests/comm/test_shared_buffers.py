@@ -161,3 +161,25 @@ def _one_rank_cannot_rank(rank: int, world: int) -> tuple:
 def test_a_rank_that_cannot_create_its_buffer_makes_every_rank_keep_private_memory():
     results = spawn(_one_rank_cannot_rank, 2, backend="fastpar")
     assert results == [(True, True, []), (True, True, [])]
+
+
+def _copy_on_one_rank(rank: int, world: int) -> tuple:
+    import copy
+
+    from fastpar import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4)))
+    model(torch.randn(8, 32)).sum().backward()  # the buckets moved to shared memory at this forward
+    if rank == 0:  # a copy made and evaluated on one rank alone must not wait for the other
+        clone = copy.deepcopy(model)
+        with torch.no_grad():
+            clone(torch.randn(8, 32))
+    model(torch.randn(8, 32)).sum().backward()
+    return _is_shared(model.reducer.buckets[0].comm_flat), [p.grad.clone() for p in model.parameters()]
+
+
+def test_a_copy_on_one_rank_alone_does_not_wait_for_the_others():
+    results = spawn(_copy_on_one_rank, 2, backend="fastpar", pg_timeout=60, timeout=120)
+    assert results[0][0] and results[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
