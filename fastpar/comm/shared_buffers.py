@@ -50,7 +50,7 @@ def shared_flat(numel: int, dtype: torch.dtype, group=None) -> torch.Tensor | No
     if not available(group):
         return None
     ext, backend = loader.extension(), _shm_backend(group)
-    nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
+    nbytes = max(1, numel * dtype.itemsize)
     buffer_id, why = -1, ""
     try:
         buffer_id = ext.shm_shared_create(backend, nbytes)
@@ -82,11 +82,11 @@ def carve(sizes: list[tuple[int, torch.dtype]], group=None) -> list[torch.Tensor
     offsets, end = [], 0
     for numel, dtype in sizes:
         offsets.append(end)
-        end += -(-numel * torch.empty((), dtype=dtype).element_size() // _ALIGN) * _ALIGN
+        end += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
     raw = shared_flat(end, torch.uint8, group) if sizes else None
     if raw is None:
         return None
     return [
-        raw.narrow(0, offset, numel * torch.empty((), dtype=dtype).element_size()).view(dtype)
+        raw.narrow(0, offset, numel * dtype.itemsize).view(dtype)
         for offset, (numel, dtype) in zip(offsets, sizes, strict=True)
     ]
