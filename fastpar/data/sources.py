@@ -91,10 +91,9 @@ class ObjectFiles:
     def fetch(self, index: int) -> np.ndarray:
         """One object's bytes from the store (cached on the way when there is a cache)."""
         info = self.objects[index]
-        body = self.store.get(info)
-        if self.cache is not None:
-            self.cache.put(info, body)
-        return np.frombuffer(body, dtype=np.uint8)
+        if self.cache is not None:  # once across the ranks sharing the cache
+            return self.cache.fetch_once(info, lambda: self.store.get(info))
+        return np.frombuffer(self.store.get(info), dtype=np.uint8)
 
     def _start(self, indices: Iterable[int]) -> list[np.ndarray | Future]:
         """Each object's bytes from the cache, or a download started in the pool."""

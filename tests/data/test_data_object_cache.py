@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +104,44 @@ def test_cache_size_limit_evicts_least_recently_used(tmp_path):
     assert kept == [0, 3, 4, 5]
     assert ObjectCache(tmp_path, max_bytes=500).put(info(9), payload(9)) is None  # larger than the limit: skipped
     assert cache.get(info(9)) is None
+
+
+def test_an_object_wanted_by_several_at_once_is_fetched_once(tmp_path):
+    """Three caches on one folder (as three ranks) want the same objects at the same moment: one store
+    request each, every caller gets the bytes; the lock files are neither entries nor evicted."""
+    calls, start = collections.Counter(), threading.Barrier(3)
+
+    def slow_fetch(n: int) -> bytes:
+        calls[n] += 1
+        time.sleep(0.05)  # long enough that the others arrive while it is in flight
+        return payload(n, 3000)
+
+    def rank(_: int) -> list[bytes]:
+        cache = ObjectCache(tmp_path, max_bytes=1 << 20)
+        start.wait()
+        return [cache.fetch_once(info(n, 3000), lambda n=n: slow_fetch(n)).tobytes() for n in range(6)]
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(rank, range(3)))
+    assert all(got == [payload(n, 3000) for n in range(6)] for got in results)
+    assert calls == {n: 1 for n in range(6)}
+    cache = ObjectCache(tmp_path, max_bytes=1 << 20)
+    assert (tmp_path / ".locks").is_dir() and cache.size() == 6 * 3000
+    assert int((tmp_path / ".size").read_text()) == 6 * 3000
+    assert ObjectCache(tmp_path)._evict(0) == 0 and any((tmp_path / ".locks").iterdir())
+
+
+def test_fetch_once_errors_reach_the_caller_and_release_the_lock(tmp_path):
+    cache = ObjectCache(tmp_path)
+
+    def failing() -> bytes:
+        raise OSError("the store said no")
+
+    with pytest.raises(OSError, match="the store said no"):
+        cache.fetch_once(info(1), failing)
+    assert cache.get(info(1)) is None
+    assert cache.fetch_once(info(1), lambda: payload(1)).tobytes() == payload(1)  # not left locked
+    assert cache.fetch_once(info(1), failing).tobytes() == payload(1)  # cached: no fetch at all
 
 
 def test_cache_write_failure_warns_once_and_reads_go_on(tmp_path):

@@ -2,8 +2,13 @@
 
 Layout: ``cache_dir/<2 hex>/<sha256 of url, ETag and size>``. An object changed in the store has a new
 ETag, so a new entry: a stale copy is never served. Writes go to a temporary file in the same folder and
-are renamed into place (atomic on POSIX), so a reader sees a whole object or none, and two ranks that
-fetch the same object at once both succeed (the second rename replaces identical bytes).
+are renamed into place (atomic on POSIX), so a reader sees a whole object or none.
+
+One fetch per object: ``fetch_once`` holds an ``flock`` on one of ``cache_dir/.locks/<3 hex>`` while it
+fetches, so a rank (or thread) that needs the same object at the same moment (e.g. one rank's validation
+and another's next epoch read ahead) waits for that copy instead of asking the store again. A lock is
+shared by the objects whose names start alike (4096 of them), which at worst makes two different
+fetches take turns; a holder that dies releases it with its process.
 
 Size limit (``max_bytes``): a running total shared through ``cache_dir/.size`` under an ``flock`` lock;
 when a write takes it over the limit, the least recently used entries (by mtime, refreshed on every
@@ -20,6 +25,7 @@ import re
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +34,7 @@ import numpy as np
 from .store import ObjectInfo
 
 _TMP_PREFIX = ".tmp-"
+_LOCKS = ".locks"  # the fetch locks' folder (a dot folder: never an entry, never evicted)
 _STALE_TMP_S = 3600.0  # a temporary file this old belongs to a writer that died
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -75,6 +82,35 @@ class ObjectCache:
                 pass  # evicted by another rank since the read: the bytes are already here
         return data
 
+    def fetch_once(self, info: ObjectInfo, fetch: Callable[[], bytes]) -> np.ndarray:
+        """The object's bytes: from the cache, or from ``fetch()`` (then stored), fetched once by every process
+        that shares this folder: a caller that finds another fetching it waits and reads that copy."""
+        with self._fetching(info):
+            data = self.get(info)  # fetched by someone else while this caller waited
+            if data is not None:
+                return data
+            body = fetch()
+            self.put(info, body)
+            return np.frombuffer(body, dtype=np.uint8)
+
+    @contextmanager
+    def _fetching(self, info: ObjectInfo):
+        if self._disabled:  # nothing stored for the waiters to read: each fetches for itself
+            yield
+            return
+        try:
+            (self.root / _LOCKS).mkdir(exist_ok=True)
+            lock = open(self.root / _LOCKS / self.path(info).name[:3], "a+b")  # noqa: SIM115 (closed below)
+        except OSError:  # a read-only cache folder: fetch without the lock
+            yield
+            return
+        with lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except OSError:  # a file system without flock: at worst a duplicate fetch
+                pass
+            yield  # closing the file releases the lock
+
     def put(self, info: ObjectInfo, data: bytes) -> None:
         if self._disabled or (self.max_bytes is not None and info.size > self.max_bytes):
             return
@@ -121,7 +157,7 @@ class ObjectCache:
     def _entries(self) -> list[os.DirEntry]:
         entries = []
         for sub in os.scandir(self.root):
-            if sub.is_dir(follow_symlinks=False):
+            if sub.is_dir(follow_symlinks=False) and not sub.name.startswith("."):  # .locks holds no entries
                 entries.extend(e for e in os.scandir(sub.path) if e.is_file(follow_symlinks=False))
         return entries
 
