@@ -120,12 +120,15 @@ class DistributedDataParallel(_TorchDDP):
         names = _setup.check_parameters(self.module, parameters, expect_sparse_gradient)
         world_size = self.process_group.size()
         caps, initial_caps = _setup.bucket_caps(self, parameters, static_graph, world_size)
+        private_caps = None  # the caps for buckets that stay in private memory, where they differ from ``caps``
         if not options.caps_given:  # fastpar's layout where it cannot change the bits
             on_cpu = bool(parameters) and parameters[0].device.type == "cpu"
             shared = on_cpu and shared_buffers.available(self.process_group)
             default = default_caps(parameters, world_size, shared_buckets=shared)
             initial_caps = initial_caps if initial_caps != caps else default
             caps = default
+            if shared and default_caps(parameters, world_size) != default:
+                private_caps = default_caps(parameters, world_size)
         self.reducer = Reducer(
             parameters,
             names,
@@ -138,6 +141,7 @@ class DistributedDataParallel(_TorchDDP):
             alias_divides=options.alias_divides,
             instance_id=next(_instances),
             auto_buckets=options.auto_buckets,
+            private_caps=private_caps,
         )
         self.logger = DDPLogger(self, self.reducer)
         self.reducer.set_logger(self.logger)

@@ -80,11 +80,15 @@ class Reducer:
         alias_divides: bool,
         instance_id: int,
         auto_buckets: bool = False,
+        private_caps: list[int] | None = None,
     ) -> None:
         self.group, self.world_size = group, group.size()
         self.device = params[0].device
         self.slots = [ParamSlot(i, name, p) for i, (name, p) in enumerate(zip(names, params, strict=True))]
         self.caps = caps  # for the rebuild
+        # fastpar's default caps for buckets in private memory, where ``caps`` were chosen for shared ones: a bucket
+        # collective (ZeRO) keeps its buckets private, and ZeRO-2's pool holds buffers the size of the largest bucket
+        self._private_caps = private_caps
         self.grad_views, self.grad_dtype = grad_views, grad_dtype
         self.find_unused = find_unused
         self.alias_divides = alias_divides  # torch's arithmetic for gradient_as_bucket_view=True: div_ in place
@@ -259,6 +263,8 @@ class Reducer:
                 f"fastpar DDP: cannot install {collective.description} during a backward; install it before training"
             )
         reference = self.layout()  # what torch's DDP reduces now
+        if self._private_caps is not None:  # its buckets stay in private memory (see _share_buckets)
+            self.caps = self._private_caps
         buckets = list(collective.build_buckets(self._steady_layout()))
         if [b.index for b in buckets] != list(range(len(buckets))) or sorted(
             s.index for b in buckets for s in b.slots

@@ -84,3 +84,38 @@ def test_stage_two_keeps_a_shard_of_the_gradients_and_a_pool_of_buckets_in_fligh
             assert 0 < measured["optimizer_state"] <= 2 * (model / world_size + padding) + 8 * len(buckets)
             assert measured["total"] == measured["parameters"] + measured["gradients"] + measured["optimizer_state"]
         assert one["after_backward"]["optimizer_state"] == report["optimizer_state"]
+
+
+def _default_layout(rank: int, world_size: int) -> dict:
+    """ZeRO-2 with fastpar's default bucket caps (no bucket_cap_mb) on a model of ~12 MiB."""
+    import fastpar
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(12)))
+    model = fastpar.DDP(module)
+    opt = fastpar.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, shard_gradients=True)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 512, generator=torch.Generator().manual_seed(rank))).square().mean().backward()
+        opt.step()
+    opt.wait_for_params()
+    return {
+        "bucket_bytes": [zb.bucket.numel * 4 for zb in opt._sharded],
+        "report": opt.memory_report(),
+        "params": [p.detach().clone() for p in module.parameters()],
+    }
+
+
+def test_zero_buckets_on_the_fastpar_backend_are_sized_as_private_buckets():
+    """DDP's buckets on the fastpar backend live in shared memory with larger default caps; ZeRO's stay private, so
+    they keep the private caps -- else ZeRO-2's pool (buffers the size of the largest bucket) grows several-fold."""
+    from fastpar.ddp.buckets import CPU_BUCKET_BYTES
+
+    gloo = spawn(_default_layout, 2, backend="gloo", timeout=300)
+    shm = spawn(_default_layout, 2, backend="fastpar", timeout=300)
+    for rank in range(2):
+        assert shm[rank]["bucket_bytes"] == gloo[rank]["bucket_bytes"]
+        assert max(shm[rank]["bucket_bytes"]) <= CPU_BUCKET_BYTES + 512 * 512 * 4
+        assert shm[rank]["report"] == gloo[rank]["report"]
+        for a, b in zip(shm[rank]["params"], gloo[rank]["params"], strict=True):
+            assert torch.equal(a, b)  # and the same bits: each element is one a + b at two ranks
