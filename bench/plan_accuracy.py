@@ -1,4 +1,5 @@
-"""How close the memory planner's predictions come to measurements on 2 CPU ranks (gloo).
+"""How close the memory planner's predictions come to measurements on 2 CPU ranks (gloo, or ``--backend fastpar``:
+the planner then prices the collectives with the profile shipped for that backend, as the Trainer does).
 
     python bench/plan_accuracy.py --layers 6 --hidden 256 --vocab 4000 --seq-len 128 --batch-size 8 --rounds 7
 
@@ -29,6 +30,7 @@ from strategy_measure import compare_state, measure_rank, measured_profile, slow
 from fastpar.costmodel.memory_planner import plan  # noqa: E402
 from fastpar.costmodel.model_probe import ProbeResult, probe  # noqa: E402
 from fastpar.costmodel.perf_profile import Profile  # noqa: E402
+from fastpar.costmodel.planner_comm import SHIPPED_PROFILES  # noqa: E402
 from fastpar.costmodel.strategy_time import optimizer_seconds_per_element  # noqa: E402
 from fastpar.launcher import spawn  # noqa: E402
 
@@ -71,11 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--backend", default="gloo", choices=("gloo", "fastpar"), help="the ranks' backend")
     p.add_argument("--json", default=None, help="write the numbers here")
     args = p.parse_args(argv)
     model = dict(layers=args.layers, hidden=args.hidden, vocab=args.vocab, seq_len=args.seq_len)
     spec = spec_of(model)
-    plan_args = dict(devices=2, device_memory="1TB", batch_size=args.batch_size, seq_len=args.seq_len, threads=1)
+    plan_args = dict(
+        devices=2,
+        device_memory="1TB",
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        threads=1,
+        backend=args.backend,
+    )
     torch.set_num_threads(1)  # as each spawned rank runs
     measured = probe(spec, batch_size=2, seq_len=args.seq_len, alongside=1)  # as plan() times CPU ranks
     opt_s = optimizer_seconds_per_element("adamw")
@@ -98,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         "collective_bytes": [1 << 16, 1 << 20, 1 << 22, 1 << 24],
     }
     load_before = os.getloadavg()
-    results = spawn(measure_rank, 2, config, timeout=1800)
+    results = spawn(measure_rank, 2, config, backend=args.backend, timeout=1800)
     load_after = os.getloadavg()
     steps = slowest_rank_medians(results)
     rows = []
@@ -109,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     correction = steps["local"] / floor
     corrected = plan(spec, probe_result=scaled(measured, correction), **plan_args)
     corrected_step = {e.label: e.step_s for e in corrected.estimates}
-    wire = measured_profile(results, Profile.load(ROOT / "bench" / "results" / "profile-cpu-2rank-mlp.json"))
+    shipped = ROOT / "bench" / "results" / SHIPPED_PROFILES[args.backend]
+    wire = measured_profile(results, Profile.load(shipped), args.backend)
     both = plan(spec, probe_result=scaled(measured, correction), profile=wire, **plan_args)
     both_step = {e.label: e.step_s for e in both.estimates}
     print(
@@ -155,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                 {
                     "model": model,
                     "batch_size": args.batch_size,
+                    "backend": args.backend,
                     "rows": rows,
                     "activations_predicted": ddp.memory.activations,
                     "activations_profiled_peak": peak,

@@ -78,6 +78,7 @@ def plan(
     device: str = "cpu",
     profile: Any = None,
     fabric: Any = None,
+    backend: str | None = None,
     headroom: float = DEFAULT_HEADROOM,
     probe_batch: int = 2,
     probe_result: ProbeResult | None = None,
@@ -88,7 +89,8 @@ def plan(
     ``device_memory`` bytes (None: the smallest GPU NVML reports); ``batch_size`` samples per device of
     ``seq_len`` tokens (default: the spec's). ``device``: where training runs ("cpu" ranks or "cuda");
     ``profile`` (a path or :class:`Profile`) / ``fabric`` (a preset name or :class:`Fabric`) price the
-    collectives. ``threads``: torch threads while timing compute on CPU (default: the host's cores shared by
+    collectives; with neither, CPU ranks are priced with the profile shipped for their ``backend`` ("gloo" or
+    "fastpar"). ``threads``: torch threads while timing compute on CPU (default: the host's cores shared by
     ``devices`` CPU ranks, as the launcher gives each rank). Returns a :class:`Plan` whose ``choice`` is the
     fastest strategy that fits. ``device_flops``: FLOP/s one device sustains; compute is then a FLOP count at
     that rate (the default when planning for GPUs with none here: :data:`ASSUMED_GPU_FLOPS`)."""
@@ -127,7 +129,7 @@ def plan(
         reduce=DTYPES[reduce_dtype or param_dtype],
         activation_scale=(measured.float_share * DTYPES[param_dtype] / 4 + 1 - measured.float_share),
     )
-    comm, costs, comm_text = comm_model(profile=profile, fabric=fabric, on_gpu=on_gpu)
+    comm, costs, comm_text = comm_model(profile=profile, fabric=fabric, on_gpu=on_gpu, backend=backend)
     total_bytes = sum(layer.numel for layer in layers) * sizes.param
     caps = (_MB, 25 * _MB) if on_gpu or devices > 2 else (_MB, max(4 * _MB, -(-total_bytes // 64)))
     context = _Context(layers, measured, sizes, devices, optimizer, comm, costs, opt_s, caps, on_gpu, seq_len, usable)

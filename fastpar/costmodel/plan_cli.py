@@ -48,9 +48,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fabric", default=None, help="a fabric preset pricing the collectives (see fastpar bench simulate)"
     )
+    p.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "gloo", "fastpar"),
+        help="CPU ranks' backend, priced with the profile shipped for it when neither --profile nor --fabric is "
+        "given (auto: fastpar's shared-memory backend when built, as the Trainer picks; default auto)",
+    )
     p.add_argument("--headroom", type=float, default=0.10, help="share of device memory kept free (default 0.10)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
+
+
+def _cpu_backend(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    from ..comm import is_available
+
+    return "fastpar" if is_available() else "gloo"
 
 
 def _ints(text: str | None, flag: str) -> list[int] | None:
@@ -110,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             profile=args.profile,
             fabric=args.fabric,
+            backend=_cpu_backend(args.backend),
             headroom=args.headroom,
             device_flops=args.device_flops,
         )

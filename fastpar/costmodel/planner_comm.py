@@ -32,17 +32,29 @@ CPU_LOOPBACK = Fabric(
 )
 
 
-def _shipped_profile() -> Path | None:
-    path = Path(__file__).resolve().parents[2] / "bench" / "results" / "profile-cpu-2rank-mlp.json"
-    return path if path.exists() else None
+# CPU ranks' backend -> the profile measured on it on this project's machine (in a checkout's bench/results)
+SHIPPED_PROFILES = {"gloo": "profile-cpu-2rank-mlp.json", "fastpar": "profile-cpu-2rank-mlp-fastpar.json"}
+CPU_BACKENDS = tuple(SHIPPED_PROFILES)
 
 
-def comm_model(*, profile: Any = None, fabric: Any = None, on_gpu: bool = False):
+def _shipped_profile(backend: str) -> Path | None:
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    for name in (SHIPPED_PROFILES[backend], SHIPPED_PROFILES["gloo"]):  # gloo's: the costlier wire, if no other
+        if (results / name).exists():
+            return results / name
+    return None
+
+
+def comm_model(*, profile: Any = None, fabric: Any = None, on_gpu: bool = False, backend: str | None = None):
     """``(comm, SyncCosts, description)``. Default: on CPU ranks the profile measured on this project's
-    machine (a checkout's ``bench/results``; without one :data:`CPU_LOOPBACK`), on GPUs the
+    machine with ``backend`` ("gloo", the default, or "fastpar": its shared-memory collectives cost a fraction
+    of gloo's loopback TCP) from a checkout's ``bench/results`` (without one :data:`CPU_LOOPBACK`); on GPUs the
     ``h100-nvswitch-ib400`` preset."""
+    backend = backend or "gloo"
+    if backend not in SHIPPED_PROFILES:
+        raise UserError(f"CPU ranks' backend must be one of {', '.join(CPU_BACKENDS)}, got {backend!r}")
     if profile is None and fabric is None:
-        shipped = None if on_gpu else _shipped_profile()
+        shipped = None if on_gpu else _shipped_profile(backend)
         if shipped is not None:
             profile = shipped
         else:

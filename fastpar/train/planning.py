@@ -79,6 +79,7 @@ def _plan_on_rank0(module, optimizer, loss_fn, example_batch, strategy, budget, 
             device_memory=memory,
             optimizer=optimizer_kind(optimizer),
             device=device.type,
+            backend=_cpu_backend(device),
         )
     except Exception as exc:  # the planner's own refusal (a model it can't measure, an option out of range)
         return "error", f"the memory planner could not plan this run: {exc}"
@@ -101,6 +102,14 @@ def _plan_on_rank0(module, optimizer, loss_fn, example_batch, strategy, budget, 
             "or raise memory_budget"
         )
     return "ok", (strategy, dict(best.options) if best is not None else {})
+
+
+def _cpu_backend(device: torch.device) -> str | None:
+    """The CPU ranks' backend ("gloo" or "fastpar"), whose measured profile prices the plan's collectives."""
+    if device.type != "cpu" or not dist.is_initialized():
+        return None
+    name = str(dist.get_backend())
+    return name if name in ("gloo", "fastpar") else None
 
 
 def _gib(n: float) -> str:

@@ -196,7 +196,7 @@ def test_a_model_path_that_is_not_a_module_is_refused():
 def test_cpu_collectives_without_a_calibrated_profile_use_the_stated_loopback_fabric(monkeypatch):
     from fastpar.costmodel import planner_comm
 
-    monkeypatch.setattr(planner_comm, "_shipped_profile", lambda: None)
+    monkeypatch.setattr(planner_comm, "_shipped_profile", lambda backend: None)
     comm, costs, text = planner_comm.comm_model(on_gpu=False)
     shipped = planner_comm.Profile.load(
         planner_comm.Path(__file__).resolve().parents[2] / "bench" / "results" / "profile-cpu-2rank-mlp.json"
@@ -204,3 +204,15 @@ def test_cpu_collectives_without_a_calibrated_profile_use_the_stated_loopback_fa
     assert "assumed" in text and costs.compute_slowdown == 0.0
     for nbytes in (1 << 16, 1 << 20, 1 << 24):  # the fallback is the shipped profile's fit, to within 20%
         assert comm("allreduce", nbytes, 2) == pytest.approx(shipped.comm(2, "allreduce")(nbytes), rel=0.2)
+
+
+def test_cpu_ranks_are_priced_with_the_profile_of_their_backend():
+    from fastpar.costmodel import planner_comm
+
+    gloo, _, gloo_text = planner_comm.comm_model(on_gpu=False)
+    shm, _, shm_text = planner_comm.comm_model(on_gpu=False, backend="fastpar")
+    assert "profile gloo x2" in gloo_text and "profile fastpar x2" in shm_text
+    for nbytes in (1 << 20, 1 << 24):  # shared memory beats loopback TCP
+        assert shm("allreduce", nbytes, 2) < gloo("allreduce", nbytes, 2)
+    with pytest.raises(UserError, match="backend must be one of gloo, fastpar, got 'mpi'"):
+        planner_comm.comm_model(on_gpu=False, backend="mpi")

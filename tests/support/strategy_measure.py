@@ -234,9 +234,9 @@ def slowest_rank_medians(results: list[dict]) -> dict[str, float]:
     return out
 
 
-def measured_profile(results: list[dict], shipped):
-    """A :class:`Profile` of the collectives timed in the rounds (slowest rank's medians), with ``shipped``'s
-    contention factors (measuring those takes minutes)."""
+def measured_profile(results: list[dict], shipped, backend: str = "gloo"):
+    """A :class:`Profile` of ``backend``'s collectives timed in the rounds (slowest rank's medians), with
+    ``shipped``'s contention factors (measuring those takes minutes)."""
     from fastpar.costmodel.perf_profile import CollectiveTable, Profile
 
     tables = {}
@@ -248,7 +248,7 @@ def measured_profile(results: list[dict], shipped):
         tables[op][0].append(int(n))
         tables[op][1].append(t)
     return Profile(
-        backend="gloo",
+        backend=backend,
         device="cpu",
         world_size=len(results),
         collectives={op: CollectiveTable(list(x), list(t)) for op, (x, t) in tables.items()},

@@ -245,10 +245,12 @@ def test_checkpoint_of_another_model_is_refused_before_the_first_step(two_and_th
 
 # --- sharding="auto" and memory_budget -------------------------------------------------------------------
 @pytest.mark.slow
-def test_auto_prints_the_plan_then_trains_with_its_choice(tmp_path, capfd):
-    result = fit(tmp_path, sharding="auto", memory_budget="2GB", max_epochs=1)
+@pytest.mark.parametrize("backend", ["gloo", "fastpar"])
+def test_auto_prints_the_plan_then_trains_with_its_choice(tmp_path, capfd, backend):
+    result = fit(tmp_path, sharding="auto", memory_budget="2GB", max_epochs=1, cpu_backend=backend)
     out = capfd.readouterr().out
     assert "fastpar: memory plan" in out and "strategy" in out and "fastpar: sharding='auto' chose" in out
+    assert f"communication: profile {backend} x2" in out  # priced with what was measured on this backend
     chosen = out.split("sharding='auto' chose '")[1].split("'")[0]
     assert chosen in ("ddp", "zero1", "zero2", "fsdp", "pipeline")
     assert result.steps == (12 if chosen == "pipeline" else 6)
