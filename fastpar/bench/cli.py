@@ -210,6 +210,9 @@ def _context(name: str, module: ModuleType, parsed: argparse.Namespace, command:
     Plan(ctx.warmup, ctx.rounds, ctx.iters)
     if ctx.threads < 1:
         raise BenchUsageError(f"--threads must be at least 1, got {ctx.threads}")
+    check_flags = getattr(module, "check_flags", None)  # a benchmark's own flags, refused before outputs are made
+    if check_flags is not None:
+        check_flags(own)
     as_dirs = getattr(module, "OUTPUTS_ARE_DIRECTORIES", False)
     for flag in ("json", "plot"):
         if getattr(ctx, flag):

@@ -97,6 +97,19 @@ def _verdicts(report: BenchReport) -> list[str]:
     return lines + [v.line() for v in report.goals] + [f"warning: {w}" for w in report.warnings]
 
 
+def _selected(only: str | None) -> list[str]:
+    names = list(QUICK) if not only else [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in QUICK]
+    if unknown or not names:
+        raise BenchUsageError(f"unknown benchmark(s) {unknown} in --only; choose from {', '.join(QUICK)}")
+    return names
+
+
+def check_flags(flags: argparse.Namespace) -> None:
+    """Refuse a bad --only before the --json folder is created."""
+    _selected(flags.only)
+
+
 def run(ctx: BenchContext) -> None:
     from ..launcher import launched_by_torchrun
     from .machine import machine_facts, machine_markdown
@@ -105,11 +118,7 @@ def run(ctx: BenchContext) -> None:
         raise BenchUsageError("run 'fastpar bench all' without torchrun: it spawns the ranks of each benchmark itself")
     if not ctx.json:
         raise BenchUsageError("'all' needs --json DIR: the folder for one JSON per benchmark and summary.md")
-    only = ctx.flags.only
-    names = list(QUICK) if not only else [n.strip() for n in only.split(",") if n.strip()]
-    unknown = [n for n in names if n not in QUICK]
-    if unknown or not names:
-        raise BenchUsageError(f"unknown benchmark(s) {unknown} in --only; choose from {', '.join(QUICK)}")
+    names = _selected(ctx.flags.only)
     out_dir = Path(ctx.json)
     out_dir.mkdir(parents=True, exist_ok=True)
     facts = machine_facts()

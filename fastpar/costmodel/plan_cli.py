@@ -60,14 +60,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _cpu_backend(choice: str) -> str:
-    if choice != "auto":
-        return choice
-    from ..comm import is_available
-
-    return "fastpar" if is_available() else "gloo"
-
-
 def _ints(text: str | None, flag: str) -> list[int] | None:
     if text is None:
         return None
@@ -97,6 +89,7 @@ def transformer_kwargs(text: str) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from ..comm import cpu_backend  # imports torch: after --help
     from .memory_planner import STRATEGIES, plan
     from .model_spec import ModelSpec
 
@@ -125,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             profile=args.profile,
             fabric=args.fabric,
-            backend=_cpu_backend(args.backend),
+            backend=cpu_backend(args.backend),
             headroom=args.headroom,
             device_flops=args.device_flops,
         )

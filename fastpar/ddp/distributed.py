@@ -127,8 +127,8 @@ class DistributedDataParallel(_TorchDDP):
             default = default_caps(parameters, world_size, shared_buckets=shared)
             initial_caps = initial_caps if initial_caps != caps else default
             caps = default
-            if shared and default_caps(parameters, world_size) != default:
-                private_caps = default_caps(parameters, world_size)
+            private = default_caps(parameters, world_size) if shared else default
+            private_caps = private if private != default else None
         self.reducer = Reducer(
             parameters,
             names,

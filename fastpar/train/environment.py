@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ..comm import cpu_backend
 from ..host import TORCHRUN_VARS, under_torchrun, usable_cpu_count
 from ..user_errors import UserError
 
@@ -44,16 +45,6 @@ def gpu_count() -> int:
 def default_cpu_processes() -> int:
     """A sensible share of the cores: up to 4 processes, each with cores/processes threads."""
     return max(1, min(_MAX_DEFAULT_CPU_PROCESSES, usable_cpu_count()))
-
-
-def cpu_backend(choice: str = "auto") -> str:
-    """The process-group backend of CPU processes on one machine: ``auto`` picks fastpar's shared-memory backend
-    ("fastpar", several times faster than gloo) when its compiled extension is there, else gloo."""
-    if choice != "auto":
-        return choice
-    from ..comm import is_available
-
-    return "fastpar" if is_available() else "gloo"
 
 
 def _cpu_plan(devices: int | None, threads: int | None, backend: str) -> Plan:

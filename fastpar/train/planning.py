@@ -108,8 +108,10 @@ def _cpu_backend(device: torch.device) -> str | None:
     """The CPU ranks' backend ("gloo" or "fastpar"), whose measured profile prices the plan's collectives."""
     if device.type != "cpu" or not dist.is_initialized():
         return None
+    from ..costmodel.planner_comm import CPU_BACKENDS
+
     name = str(dist.get_backend())
-    return name if name in ("gloo", "fastpar") else None
+    return name if name in CPU_BACKENDS else None
 
 
 def _gib(n: float) -> str:

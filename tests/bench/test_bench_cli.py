@@ -200,7 +200,6 @@ def test_data_benchmark_on_a_tiny_folder(tmp_path, capsys):
         (["data", "--images", "/no/such/folder", "-n", "1", "-w", "0", "--rounds", "1"], "does not exist"),
         (["all"], "needs --json DIR"),
         (["all", "--json", "/dev/null"], "not a directory"),
-        (["all", "--json", "/tmp/unused", "--only", "pack,teleport"], "unknown benchmark(s) ['teleport']"),
         (["allsum"], "unknown benchmark 'allsum'"),
     ],
 )
@@ -210,6 +209,17 @@ def test_argument_errors_exit_2_with_one_line(argv, message, capsys):
     assert message in captured.err
     assert captured.err.strip().count("\n") == 0 and "Traceback" not in captured.err
     assert captured.out == ""
+
+
+def test_all_refuses_a_bad_only_before_creating_its_json_folder(tmp_path, capsys):
+    out_dir = tmp_path / "results"
+    assert main(["all", "--json", str(out_dir), "--only", "pack,teleport"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "fastpar bench all: error: unknown benchmark(s) ['teleport'] in --only; choose from allreduce, "
+        "reducescatter, allgather, broadcast, alltoall, fusion, pack, ddp, zero, shard, data"
+    )
+    assert not out_dir.exists()
 
 
 def test_help_lists_benchmarks_and_only_the_flags_that_apply(capsys):

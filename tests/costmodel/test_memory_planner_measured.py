@@ -1,6 +1,6 @@
 """The planner's model-state bytes against the tensors each engine really holds, per rank of 2 spawned CPU
-ranks (gloo, and fastpar's backend): fastpar's DDP and ZeRO-1 (and ZeRO-2 where ``ShardedOptimizer`` shards gradients), torch's
-``fully_shard`` per block with resharding on and off, and the plan's pipeline through torch's pipelining.
+ranks (gloo, and fastpar's backend): fastpar's DDP and ZeRO-1 (and ZeRO-2 where ``ShardedOptimizer`` shards
+gradients), torch's ``fully_shard`` per block with resharding on and off, and the plan's pipeline through torch's pipelining.
 The claim is +-5% (docs/guide/planner.md); the counts are exact today, which the 5% does not hide: a
 layout change that moves them shows here as a ratio in the failure message."""
 
