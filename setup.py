@@ -1,7 +1,9 @@
 """Builds the extension ``fastpar._C`` with torch.utils.cpp_extension.
 
-CppExtension with a CPU-only torch; CUDAExtension when torch is a CUDA build and nvcc is found (with no GPU
-visible and no TORCH_CUDA_ARCH_LIST, for the architectures torch was built for, said in one line).
+CppExtension with a CPU-only torch; CUDAExtension when torch is a CUDA build and a CUDA toolkit with its headers
+is found (fastpar/ops/build.py's find_cuda_home, which follows an nvcc wrapper script to the real toolkit; with no
+GPU visible and no TORCH_CUDA_ARCH_LIST, for the architectures torch was built for, said in one line). A CUDA torch
+with no usable toolkit builds the CPU extension, said in one line: the install never fails for want of CUDA.
 FASTPAR_CUDA=0|1 overrides the choice; FASTPAR_NO_EXT=1 builds no extension (pure-torch ops).
 Build without isolation so the extension links against the torch you run: `pip install --no-build-isolation .`
 (an isolated build links against whatever torch pip fetched for it, also said in one line).
@@ -47,20 +49,17 @@ def _extensions():
     if os.environ.get("FASTPAR_NO_EXT") == "1":
         return [], {}
     import torch
-    from torch.utils import cpp_extension
 
     build = _build_config()
-    cuda_usable = build.cuda_toolkit_usable(torch)
     try:
-        with_cuda = build.cuda_wanted(default=cuda_usable)
+        # before cpp_extension is imported: it reads CUDA_HOME once, and choose_cuda sets it to the toolkit it found
+        with_cuda, line = build.choose_cuda(torch)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-    if with_cuda and not cuda_usable:
-        raise SystemExit(
-            "FASTPAR_CUDA=1 but no CUDA build is possible: torch.version.cuda="
-            f"{torch.version.cuda!r}, CUDA_HOME={cpp_extension.CUDA_HOME!r}. Install a CUDA build of torch "
-            "and set CUDA_HOME to the toolkit folder whose include/ holds cuda_runtime_api.h."
-        )
+    if line:
+        _say(line)
+    from torch.utils import cpp_extension
+
     if "pip-build-env" in torch.__file__:
         _say(
             f"building against pip's isolated torch {torch.__version__}, not the torch you run; if they differ "
@@ -72,25 +71,34 @@ def _extensions():
             f"no GPU visible and TORCH_CUDA_ARCH_LIST unset: building the CUDA kernels for {archs} "
             "(torch's own targets; set TORCH_CUDA_ARCH_LIST to choose, or FASTPAR_CUDA=0 for the CPU build)"
         )
-    cfg = build.config(CSRC, torch, with_cuda)
-    sources = [str(p.relative_to(ROOT)) for p in cfg.sources]
-    if with_cuda:
-        ext = cpp_extension.CUDAExtension(
+
+    def cpu_extension():
+        cfg = build.config(CSRC, torch, with_cuda=False)
+        return cpp_extension.CppExtension(
             "fastpar._C",
-            sources,
-            include_dirs=[str(CSRC)],
-            extra_compile_args={"cxx": cfg.cxx_flags, "nvcc": cfg.nvcc_flags},
-            extra_link_args=cfg.ldflags,
-        )
-    else:
-        ext = cpp_extension.CppExtension(
-            "fastpar._C",
-            sources,
+            [str(p.relative_to(ROOT)) for p in cfg.sources],
             include_dirs=[str(CSRC)],
             extra_compile_args=cfg.cxx_flags,
             extra_link_args=cfg.ldflags,
         )
-    return [ext], {"build_ext": cpp_extension.BuildExtension}
+
+    if not with_cuda:
+        return [cpu_extension()], {"build_ext": cpp_extension.BuildExtension}
+    cfg = build.config(CSRC, torch, with_cuda=True)
+    ext = cpp_extension.CUDAExtension(
+        "fastpar._C",
+        [str(p.relative_to(ROOT)) for p in cfg.sources],
+        include_dirs=[str(CSRC)],
+        extra_compile_args={"cxx": cfg.cxx_flags, "nvcc": cfg.nvcc_flags},
+        extra_link_args=cfg.ldflags,
+    )
+    if os.environ.get("FASTPAR_CUDA") == "1":  # asked for CUDA: its failure is the user's error to see
+        return [ext], {"build_ext": cpp_extension.BuildExtension}
+
+    def to_cpu(extension):
+        vars(extension).update(vars(cpu_extension()))
+
+    return [ext], {"build_ext": build.with_cpu_fallback(cpp_extension.BuildExtension, to_cpu, _say)}
 
 
 ext_modules, cmdclass = _extensions()

@@ -8,17 +8,17 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "ops/bucket_ops.h"
+#include "text.h"
 
 namespace fastpar::shm {
 void bind(pybind11::module_& m);  // shm/bind.cpp: the "fastpar" torch.distributed backend
 }
 namespace fastpar::ddp {
-void bind(pybind11::module_& m);  // ddp/grad_ready.cpp: DDP's per-gradient hot path
+void bind(pybind11::module_& m);  // ddp/bucket_launcher.cpp: DDP's per-gradient hot path
 }
 
 namespace fastpar {
@@ -31,11 +31,9 @@ bool supported(at::ScalarType type) { return type == at::kFloat || type == at::k
 std::string dtype_name(const at::Tensor& t) { return py::str(py::cast(t).attr("dtype")); }
 
 std::string shape_tuple(at::IntArrayRef sizes) {
-  std::ostringstream out;
-  out << "(";
-  for (size_t i = 0; i < sizes.size(); ++i) out << (i ? ", " : "") << sizes[i];
-  out << (sizes.size() == 1 ? ",)" : ")");
-  return out.str();
+  std::string out = "(";
+  for (size_t i = 0; i < sizes.size(); ++i) out += text(i ? ", " : "", sizes[i]);
+  return out + (sizes.size() == 1 ? ",)" : ")");
 }
 
 // `what` is built only on failure: building "tensors[i]" strings for thousands of valid tensors would cost more
@@ -43,24 +41,24 @@ std::string shape_tuple(at::IntArrayRef sizes) {
 template <typename... Name>
 void check_dtype(const char* op, const at::Tensor& t, const Name&... what) {
   if (supported(t.scalar_type())) return;
-  TORCH_CHECK_TYPE(false, op, ": ", what..., " has dtype ", dtype_name(t),
-                   "; supported dtypes are float32, float16 and bfloat16");
+  TORCH_CHECK_TYPE(false, text(op, ": ", what..., " has dtype ", dtype_name(t),
+                               "; supported dtypes are float32, float16 and bfloat16"));
 }
 
 void check_flat(const char* op, const char* name, const at::Tensor& flat) {
   check_dtype(op, flat, name);
-  TORCH_CHECK_VALUE(flat.dim() == 1, op, ": ", name, " must be 1-D, got shape ", shape_tuple(flat.sizes()),
-                    "; pass buffer.view(-1)");
-  TORCH_CHECK_VALUE(flat.is_contiguous(), op, ": ", name, " must be contiguous; pass ", name,
-                    ".contiguous() and copy back");
+  TORCH_CHECK_VALUE(flat.dim() == 1, text(op, ": ", name, " must be 1-D, got shape ", shape_tuple(flat.sizes()),
+                    "; pass buffer.view(-1)"));
+  TORCH_CHECK_VALUE(flat.is_contiguous(), text(op, ": ", name, " must be contiguous; pass ", name,
+                    ".contiguous() and copy back"));
 }
 
 void check_device(at::Device device) {
 #ifdef FASTPAR_WITH_CUDA
   if (device.is_cuda()) return;
 #endif
-  TORCH_CHECK_VALUE(device.is_cpu(), "fastpar: tensors on ", device,
-                    " are not supported by this build of fastpar._C; use CPU or CUDA tensors");
+  TORCH_CHECK_VALUE(device.is_cpu(), text("fastpar: tensors on ", device,
+                                          " are not supported by this build of fastpar._C; use CPU or CUDA tensors"));
 }
 
 // Borrowed view of a Python sequence of tensors; it keeps them alive for the duration of the call.
@@ -103,19 +101,19 @@ void for_each_checked(const char* op, const TensorList& tensors, const at::Tenso
       __builtin_prefetch(impl->unsafe_storage().unsafeGetStorageImpl());
     }
     PyObject* obj = tensors.item(i);
-    TORCH_CHECK_TYPE(THPVariable_Check(obj), op, ": tensors[", i, "] must be a torch.Tensor, got ",
-                     Py_TYPE(obj)->tp_name);
+    TORCH_CHECK_TYPE(THPVariable_Check(obj),
+                     text(op, ": tensors[", i, "] must be a torch.Tensor, got ", Py_TYPE(obj)->tp_name));
     const at::Tensor& t = THPVariable_Unpack(obj);
     check_dtype(op, t, "tensors[", i, "]");
-    TORCH_CHECK_VALUE(t.device() == device, op, ": tensors[", i, "] is on ", t.device(), " but ", flat_name,
-                      " is on ", device, "; move them to one device");
+    TORCH_CHECK_VALUE(t.device() == device, text(op, ": tensors[", i, "] is on ", t.device(), " but ", flat_name,
+                                                 " is on ", device, "; move them to one device"));
     const int64_t n = t.numel();
     total += n;
     visit(t, n);
   }
-  TORCH_CHECK_VALUE(total <= flat.numel(), op, ": ", flat_name, " has ", flat.numel(),
-                    " elements but the tensors hold ", total, "; allocate ", flat_name, " with at least ", total,
-                    " elements");
+  TORCH_CHECK_VALUE(total <= flat.numel(), text(op, ": ", flat_name, " has ", flat.numel(),
+                                                " elements but the tensors hold ", total, "; allocate ", flat_name,
+                                                " with at least ", total, " elements"));
 }
 
 void scaled_copy(const std::vector<CopySpan>& spans, float scale, bool accumulate, at::Device device) {
@@ -181,13 +179,13 @@ std::tuple<at::Tensor, at::Tensor> norm_and_finite(py::handle flats_seq) {
   std::vector<at::Tensor> keep_alive;
   for (Py_ssize_t i = 0; i < flats.size(); ++i) {
     PyObject* obj = flats.item(i);
-    TORCH_CHECK_TYPE(THPVariable_Check(obj), "norm_and_finite: flats[", i, "] must be a torch.Tensor, got ",
-                     Py_TYPE(obj)->tp_name);
+    TORCH_CHECK_TYPE(THPVariable_Check(obj),
+                     text("norm_and_finite: flats[", i, "] must be a torch.Tensor, got ", Py_TYPE(obj)->tp_name));
     const at::Tensor* f = &THPVariable_Unpack(obj);
     check_dtype("norm_and_finite", *f, "flats[", i, "]");
     if (i == 0) device = f->device();
-    TORCH_CHECK_VALUE(f->device() == device, "norm_and_finite: flats[", i, "] is on ", f->device(),
-                      " but flats[0] is on ", device, "; move them to one device");
+    TORCH_CHECK_VALUE(f->device() == device, text("norm_and_finite: flats[", i, "] is on ", f->device(),
+                                                  " but flats[0] is on ", device, "; move them to one device"));
   }
   check_device(device);
   for (Py_ssize_t i = 0; i < flats.size(); ++i) {

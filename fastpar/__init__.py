@@ -7,6 +7,7 @@ because of the compiled extension or an optional dependency.
 from __future__ import annotations
 
 import importlib
+import os
 
 from ._after_import import call_after_import
 from ._version import __version__
@@ -48,8 +49,14 @@ _LAZY = {
 
 def _register_backend() -> None:
     """``init_process_group("fastpar")`` works once fastpar and torch are imported (fastpar.comm; never raises)."""
+    import sys
     import warnings
 
+    backend = sys.modules.get("fastpar.comm.backend")
+    if backend is not None and getattr(backend.__spec__, "_initializing", False):
+        # torch finished importing inside fastpar.comm.backend's own import (``import fastpar.comm`` before
+        # torch): its names are not defined yet, and its last line registers the backend.
+        return
     try:
         from .comm import register
 
@@ -59,6 +66,28 @@ def _register_backend() -> None:
 
 
 call_after_import("torch", _register_backend)
+
+
+def _register_lightning_strategy() -> None:
+    try:
+        import fastpar.integrations.lightning  # noqa: F401 - registers Trainer(strategy="fastpar")
+    except Exception as exc:  # noqa: BLE001 - an unsupported Lightning must not break import fastpar or lightning
+        import warnings
+
+        warnings.warn(f"fastpar: could not register the Lightning strategy 'fastpar': {exc}", stacklevel=2)
+
+
+call_after_import("lightning", _register_lightning_strategy)
+
+
+def _accelerate_builds_fastpar_ddp() -> None:
+    from .integrations import accelerate
+
+    accelerate.enable()
+
+
+if os.environ.get("FASTPAR_ACCELERATE_DDP", "").lower() in ("1", "true", "yes"):
+    call_after_import("accelerate", _accelerate_builds_fastpar_ddp)
 
 
 def __getattr__(name: str):

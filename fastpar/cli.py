@@ -67,7 +67,27 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+# what a shell reports for a command killed by SIGPIPE (128 + 13); Python ignores the signal and gets EPIPE instead
+EXIT_PIPE_CLOSED = 141
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``fastpar ...``: the exit status. Output piped into a reader that stops early (``| head``) ends the command
+    quietly instead of in a BrokenPipeError traceback."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, even on SystemExit (argparse's --help): not at the interpreter's exit
+    except BrokenPipeError:
+        # stdout's file descriptor now points at /dev/null, so Python's own flush at exit has nowhere to fail
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_PIPE_CLOSED
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("FASTPAR_DEBUG", "") not in ("", "0")
     while argv and argv[0] == "--debug":
@@ -111,6 +131,8 @@ def _run(name: str, argv: list[str], debug: bool) -> int:
     except KeyboardInterrupt as exc:
         print(f"fastpar {name}: {_interrupted_line(str(exc))}", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        raise  # the reader of stdout left: main() ends quietly
     except Exception as exc:
         line = describe(exc, argv)
         if line is None:

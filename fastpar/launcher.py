@@ -9,22 +9,27 @@ Two ways to start ranks, one environment and timeout policy:
   machine, or this machine's share of a multi-node job meeting the other agents at a c10d rendezvous
   (the Trainer, and ``fastpar.batch`` once per node). ``max_restarts`` restarts the workers after a crash.
 
-Every rank joins its process group through :func:`join_process_group`. Local groups stay on loopback.
+Every rank joins its process group through :func:`join_process_group`. Local groups stay on loopback: their
+stores listen on 127.0.0.1 only (:func:`loopback_store`), since whoever reaches a store can read what it holds
+and, through the rendezvous state torch unpickles, run code in the agent. A multi-node rendezvous has to listen
+on the network; :func:`launch_agent` says where in one line, and the network between the nodes must be trusted.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import secrets
 import signal
 import socket
+import sys
 import time
 import traceback
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +53,31 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
+
+
+def loopback_store(timeout_s: float = 60.0, port: int = 0) -> dist.TCPStore:
+    """A TCPStore server listening on 127.0.0.1 only, at ``port`` (0: a free one; read ``.port``).
+
+    torch's TCPStore binds every interface; bound here and handed over as ``master_listen_fd`` it serves
+    loopback alone. Raises OSError when ``port`` is taken.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, port))
+        store = dist.TCPStore(
+            LOOPBACK,
+            sock.getsockname()[1],
+            None,
+            True,
+            datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the listening socket now and closes it with itself
+    return store
 
 
 def loopback_env(port: int, rank: int | None = None, world_size: int | None = None) -> dict[str, str]:
@@ -77,20 +107,24 @@ def join_process_group(
     rank: int,
     world_size: int,
     timeout_s: float = COLLECTIVE_TIMEOUT_S,
-    init_method: str | None = None,
+    store_port: int | None = None,
     device: torch.device | None = None,
 ) -> None:
     """Create the default process group as ``rank`` of ``world_size``.
 
-    ``init_method`` (``tcp://127.0.0.1:PORT``) for ranks this launcher spawned; None reads torchrun's
+    ``store_port``: the port of the :func:`loopback_store` of ranks this launcher spawned; None reads torchrun's
     environment. ``device``: a CUDA device binds the NCCL communicator to it at once.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     device_id = device if device is not None and device.type == "cuda" else None
-    if init_method is not None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if store_port is not None:
+        store = dist.TCPStore(LOOPBACK, store_port, None, is_master=False, timeout=timeout)
         dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
         )
+        return
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
         return
     # The elastic agent keeps one TCPStore for all restart rounds and workers connect without a prefix, so
     # a restarted group could read the dead workers' addresses (gloo: "connectFullMesh failed ...
@@ -106,6 +140,15 @@ def join_process_group(
 
 
 # --- spawn: N processes, every rank's value back ----------------------------------------------------
+def leave_process_group() -> None:
+    """Destroy the default group and free it now. A group that outlives ``destroy_process_group`` through
+    reference cycles keeps gloo's threads alive until interpreter shutdown, where tearing them down aborts the
+    process now and then ("terminate called without an active exception", SIGABRT after training succeeded)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
 def _spawned_rank(rank, world_size, port, backend, threads, pg_timeout, fn, args, results):
     os.environ.update(loopback_env(port, rank, world_size))
     set_threads(threads)
@@ -113,9 +156,7 @@ def _spawned_rank(rank, world_size, port, backend, threads, pg_timeout, fn, args
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         if backend is not None:
-            join_process_group(
-                backend, rank=rank, world_size=world_size, timeout_s=pg_timeout, init_method=f"tcp://{LOOPBACK}:{port}"
-            )
+            join_process_group(backend, rank=rank, world_size=world_size, timeout_s=pg_timeout, store_port=port)
         # plain pickle bytes: torch's queue reductions would share tensors through file descriptors that
         # die with this process before the parent reads them
         value = pickle.dumps(fn(rank, world_size, *args))
@@ -123,8 +164,8 @@ def _spawned_rank(rank, world_size, port, backend, threads, pg_timeout, fn, args
     except BaseException:  # report everything, KeyboardInterrupt included, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
-        if backend is not None and dist.is_initialized():
-            dist.destroy_process_group()
+        if backend is not None:
+            leave_process_group()
 
 
 def spawn(
@@ -146,7 +187,9 @@ def spawn(
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # this process serves the ranks' store, on loopback; the ranks are its clients
+    store = loopback_store(pg_timeout) if backend is not None else None
+    port = store.port if store is not None else free_port()
     procs = [
         ctx.Process(
             target=_spawned_rank, args=(rank, world_size, port, backend, threads, pg_timeout, fn, args, results)
@@ -182,6 +225,7 @@ def spawn(
                 p.kill()
                 p.join(5)
         results.close()
+        del store  # the ranks are gone: stop serving
     return [values[r] for r in range(world_size)]
 
 
@@ -192,6 +236,58 @@ def _agent_worker(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
         return fn(*args)
     except KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group: one message, from the agent
         raise SystemExit(130) from None
+
+
+_LOOPBACK_RDZV_BACKEND = "fastpar-loopback"
+_RDZV_READ_TIMEOUT_S = 60.0  # torch's c10d rendezvous store default
+
+
+def _is_loopback(host: str) -> bool:
+    return host in (LOOPBACK, "localhost", "::1")
+
+
+def _loopback_rendezvous_handler(params):
+    """torch's c10d dynamic rendezvous with both of its stores on 127.0.0.1 only: the rendezvous store (hosted
+    by the first agent able to bind the endpoint's port, the others its clients) and the workers' store."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    class LoopbackRendezvousHandler(DynamicRendezvousHandler):
+        # torch's private hook for the workers' store: were it renamed, that store would listen on every
+        # interface again, which the socket-table test of the local launch reports
+        def _create_tcp_store_server(self, master_addr, master_port):  # the workers' store, on rank 0's agent
+            return loopback_store(_RDZV_READ_TIMEOUT_S, master_port)
+
+        def get_backend(self) -> str:
+            return _LOOPBACK_RDZV_BACKEND
+
+    port = int(params.endpoint.rsplit(":", 1)[1])
+    try:
+        store = loopback_store(_RDZV_READ_TIMEOUT_S, port)
+    except OSError:  # another agent of this run on this machine hosts it
+        store = dist.TCPStore(
+            LOOPBACK, port, None, is_master=False, timeout=datetime.timedelta(seconds=_RDZV_READ_TIMEOUT_S)
+        )
+    backend = C10dRendezvousBackend(store, params.run_id)
+    return LoopbackRendezvousHandler.from_backend(
+        params.run_id, store, backend, params.min_nodes, params.max_nodes, local_addr=LOOPBACK
+    )
+
+
+def _register_loopback_rendezvous() -> None:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(_LOOPBACK_RDZV_BACKEND, _loopback_rendezvous_handler)  # idempotent
+
+
+def network_notice(endpoint: str, also: str = "the workers' store") -> str:
+    """The line a multi-node run prints: where its stores listen, and that the network must be trusted."""
+    host, port = endpoint.rsplit(":", 1)
+    return (
+        f"fastpar: this job's store listens on {host}:{port} (every interface of {host}, and {also} on a second "
+        f"port there); the network between the nodes must be trusted: whoever reaches these ports can read the "
+        f"job's keys and run code in its processes"
+    )
 
 
 def launch_agent(
@@ -211,6 +307,8 @@ def launch_agent(
     ``nnodes == 1`` without an endpoint: a c10d rendezvous on 127.0.0.1 at a free port. ``nnodes > 1``: this
     agent is one of ``nnodes`` meeting at ``rdzv_endpoint`` (``HOST:PORT``) under the shared ``run_id``;
     global ranks are assigned by the rendezvous. Ctrl-C stops the workers and raises KeyboardInterrupt.
+    An endpoint on 127.0.0.1 keeps every store on loopback; any other endpoint listens on the network and says
+    so on stderr (the network between the nodes must be trusted).
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -220,15 +318,18 @@ def launch_agent(
     if nnodes > 1 and not (rdzv_endpoint and run_id):
         raise ValueError("a multi-node launch needs rdzv_endpoint='HOST:PORT' and a run_id shared by every node")
     endpoint = rdzv_endpoint or f"{LOOPBACK}:{free_port()}"
-    loopback = endpoint.rsplit(":", 1)[0] in (LOOPBACK, "localhost")
+    loopback = _is_loopback(endpoint.rsplit(":", 1)[0].strip("[]"))
     if loopback:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # inherited by the workers
+        _register_loopback_rendezvous()
+    else:
+        print(network_notice(endpoint), file=sys.stderr, flush=True)
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc_per_node,
-        run_id=run_id or f"fastpar-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
+        run_id=run_id or f"fastpar-{secrets.token_hex(16)}",
+        rdzv_backend=_LOOPBACK_RDZV_BACKEND if loopback else "c10d",
         rdzv_endpoint=endpoint,
         max_restarts=max_restarts,
         monitor_interval=0.1,

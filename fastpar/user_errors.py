@@ -5,6 +5,9 @@ message that says what is wrong and what to do. The command line maps those, and
 exceptions that are the user's to fix (a missing optional package, a path that can't be read or
 written), to one line; everything else is a bug and keeps its traceback. ``fastpar --debug ...`` or
 ``FASTPAR_DEBUG=1`` shows the traceback of user errors too.
+
+Every URL a message holds goes through :func:`redact_url` on its way to the user: a password or token
+written into an endpoint or data URL is never printed, logged or stored.
 """
 
 from __future__ import annotations
@@ -16,6 +19,37 @@ from collections.abc import Iterator, Sequence
 
 # OSErrors that mean "this path is wrong for what you asked", not "fastpar is broken".
 _PATH_ERRORS = (FileNotFoundError, PermissionError, NotADirectoryError, IsADirectoryError, FileExistsError)
+
+
+# "scheme://" then what follows up to whitespace, a quote or an angle bracket (URLs as messages quote them)
+_URL_IN_TEXT = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^\s\"'<>]*)")
+# Query parameters that carry secrets: presigned S3 URLs (X-Amz-Signature, X-Amz-Credential,
+# X-Amz-Security-Token, AWSAccessKeyId, Signature), SAS tokens (sig), OAuth (access_token), passwords
+_SECRET_PARAM = re.compile(r"sig|credential|token|secret|passw|pwd|key|auth", re.IGNORECASE)
+_QUERY_PARAM = re.compile(r"([?&;])([^=&;#]*)=([^&;#]*)")
+REDACTED = "***"
+
+
+def _redact_one(scheme: str, rest: str) -> str:
+    query_at = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    head, tail = rest[:query_at], rest[query_at:]
+    at = head.rfind("@")
+    # userinfo (user:password@host) ends at the last "@" before the query. A password may hold an unescaped
+    # "/" (AWS secret keys do), so a "/" before the "@" only means a path (a key such as "c/a@b.jpg") when
+    # there is no ":" either
+    if at >= 0 and (":" in head[:at] or "/" not in head[:at]):
+        head = f"{REDACTED}@{head[at + 1 :]}"
+    tail = _QUERY_PARAM.sub(lambda m: f"{m[1]}{m[2]}={REDACTED}" if _SECRET_PARAM.search(m[2]) else m[0], tail)
+    return scheme + head + tail
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the credentials of every URL in it replaced by ``***``: the userinfo
+    (``http://user:pass@host`` -> ``http://***@host``) and secret query parameters (``?X-Amz-Signature=...``,
+    ``token=``, ``sig=`` ...). Works on one URL or on a whole message; text without URLs is unchanged."""
+    if "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda m: _redact_one(m[1], m[2]), text)
 
 
 class UserError(Exception):
@@ -54,7 +88,7 @@ def describe(exc: BaseException, argv: Sequence[str] = ()) -> str | None:
             text = f"{exc.filename}: {exc.strerror or exc}; check the path and that you may read and write there"
     else:
         return None
-    return " ".join(text.split())  # one line, whatever the message held
+    return redact_url(" ".join(text.split()))  # one line, whatever the message held, no credentials
 
 
 def _one_line_error(self: argparse.ArgumentParser, message: str):

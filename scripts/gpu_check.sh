@@ -79,7 +79,7 @@ GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU')
 
 step build env FASTPAR_CUDA=1 "$PY" setup.py build_ext --inplace
 step info env FASTPAR_EXT=compiled "$PY" -m fastpar info --json
-step cuda-tests env FASTPAR_EXPECT_EXT=compiled "$PY" -m pytest -q -m cuda --full tests
+step cuda-tests env FASTPAR_EXPECT_EXT=compiled "$PY" -m pytest -q -rfE --tb=short -m cuda --full tests
 step pack "$PY" -m fastpar bench pack --device cuda --json "$OUT/pack.json"
 step ddp-nccl-1 "$PY" -m fastpar bench ddp --backend nccl --nproc 1 --json "$OUT/ddp-nccl-1.json"
 if [ "$GPUS" -ge 2 ] || [ "$DRY" = 1 ]; then

@@ -236,3 +236,27 @@ def test_help_is_plain_text_and_every_flag_says_what_it_does(command):
     assert "``" not in text and ":func:" not in text and ":class:" not in text, text
     silent = [a.option_strings[0] for a in parser._actions if a.option_strings and not a.help]
     assert not silent, f"fastpar {command} flags without help: {silent}"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"], ["jobs", "list"]])
+def test_output_into_a_pipe_nobody_reads_ends_quietly(argv, tmp_path):
+    """``fastpar ... | head``: the reader left before the output was written; no BrokenPipeError traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the command writes anything
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "FASTPAR_JOBS_DIR": str(tmp_path),
+    }
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "fastpar", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+    assert done.returncode in (0, cli.EXIT_PIPE_CLOSED) and done.stderr == "", done.stderr

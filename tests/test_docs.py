@@ -10,6 +10,10 @@ from a clone's root), in its own process: ``python block.py``, ``torchrun --npro
     <!-- run: torchrun=2 slow -->     with N ranks; slow: only in the full suite
     <!-- run: cuda -->                needs a GPU (skipped without one)
     <!-- run: expect=TEXT -->         TEXT must appear in the output (last option: the rest of the comment)
+    <!-- run: output -->              the ```text block that follows shows the output: each of its lines
+                                      appears in the output, in order (it may be an excerpt)
+    <!-- run: output vary=REGEX -->   ... where the text REGEX matches in a line may differ (timings, picks
+                                      made from timings, dates); last option: the rest of the comment
     <!-- no-run: reason -->           not run, and why
 
 ``--8<-- "path"`` lines (pymdownx.snippets, as the site is built) are replaced by the file they include.
@@ -51,6 +55,9 @@ class Block:
     slow: bool = False
     cuda: bool = False
     expect: list[str] = field(default_factory=list)
+    output: bool = False  # compare with the shown output: the ```text block right after this one
+    vary: str = ""  # a regular expression: what may differ between runs in a line of the shown output
+    shown: str | None = None
 
     @property
     def name(self) -> str:
@@ -63,6 +70,10 @@ class Block:
 
 def _parse_options(block: Block, text: str) -> None:
     text = text or ""
+    if "vary=" in text:
+        text, vary = text.split("vary=", 1)
+        block.vary = vary.strip()
+        re.compile(block.vary)
     if "expect=" in text:
         text, expect = text.split("expect=", 1)
         block.expect.append(expect.strip())
@@ -73,13 +84,15 @@ def _parse_options(block: Block, text: str) -> None:
             block.slow = True
         elif word == "cuda":
             block.cuda = True
+        elif word == "output":
+            block.output = True
         else:
             raise ValueError(f"{block.name}: unknown option {word!r} in the run comment")
 
 
 def blocks_of(page: Path) -> list[Block]:
     text = page.read_text()
-    found = []
+    found, previous_end = [], 0
     for match in _FENCE.finditer(text):
         line = text.count("\n", 0, match.start()) + 1
         block = Block(page, line, match.group(1), match.group(2))
@@ -91,8 +104,27 @@ def blocks_of(page: Path) -> list[Block]:
                 block.reason = (marker.group(2) or "").strip()
             else:
                 _parse_options(block, marker.group(2))
+        if found and found[-1].output and block.lang == "text" and not text[previous_end : match.start()].strip():
+            found[-1].shown = block.code  # the output the block above prints, shown right after it
         found.append(block)
+        previous_end = match.end()
     return found
+
+
+def _masked(lines: list[str], vary: str) -> list[str]:
+    return [" ".join((re.sub(vary, "~", line) if vary else line).split()) for line in lines]
+
+
+def _shown_lines_missing(shown: str, output: str, vary: str) -> list[str]:
+    """The shown lines that do not appear in ``output`` in order (whitespace runs and ``vary`` matches aside)."""
+    wanted = [line for line in _masked(shown.splitlines(), vary) if line]
+    got = iter(_masked(output.splitlines(), vary))
+    missing = []
+    for line in wanted:
+        if not any(line == candidate for candidate in got):
+            missing.append(line)
+            got = iter(_masked(output.splitlines(), vary))  # report every missing line, not just the first
+    return missing
 
 
 ALL_BLOCKS = [b for page in DOC_PAGES for b in blocks_of(page)]
@@ -159,6 +191,13 @@ def test_code_block_runs_as_written(block: Block, tmp_path):
     )
     for text in block.expect:
         assert text in output, f"{block.name}: expected {text!r} in its output:\n{output[-4000:]}"
+    if block.output:
+        missing = _shown_lines_missing(block.shown, done.stdout, block.vary)
+        assert not missing, (
+            f"{block.name}: the output the page shows is not what the command prints; not found, in order:\n"
+            + "\n".join(missing)
+            + f"\n--- output ---\n{done.stdout[-4000:]}"
+        )
 
 
 def test_every_block_runs_or_says_why():
@@ -172,6 +211,8 @@ def test_every_block_runs_or_says_why():
             problems.append(f"{block.name}: a bash block needs <!-- run --> or <!-- no-run: reason --> above it")
         elif block.marker == "run" and block.lang not in _RUNNABLE:
             problems.append(f"{block.name}: only python and bash blocks can run, not {block.lang!r}")
+        elif block.output and block.shown is None:
+            problems.append(f"{block.name}: <!-- run: output --> needs a ```text block right after it")
     assert not problems, "\n".join(problems)
     assert any(b.torchrun for b in RUN_BLOCKS) and any(not b.slow for b in RUN_BLOCKS)  # the parser finds markers
 
@@ -215,10 +256,11 @@ def test_quick_start_is_one_set_up_command_and_the_test_commands():
     blocks = [b for b in blocks_of(README) if b.lang == "bash"]
     quick = _section(README.read_text(), "Quick start")
     in_quick = [b.code.strip() for b in blocks if b.code in quick]
-    assert len(in_quick) == 3 and all(len(b.splitlines()) == 1 for b in in_quick), in_quick
-    setup, fast, full = in_quick
+    assert len(in_quick) == 4 and all(len(b.splitlines()) == 1 for b in in_quick), in_quick
+    setup, test_setup, fast, full = in_quick
     assert setup.count("pip install --no-build-isolation -e .") == 1 and "build_ext" not in setup  # builds once
     assert setup.endswith("fastpar demo")
+    assert test_setup == "pip install --no-build-isolation -e '.[test]'"  # what the tests import
     assert fast == "python -m pytest -q tests" and full == "python -m pytest -q tests --full"
 
 
@@ -235,3 +277,20 @@ def test_docs_carry_no_issue_numbers():
     pages = [*sorted(GUIDE.glob("*.md")), ROOT / "docs" / "design.md", ROOT / "docs" / "index.md"]
     for page in pages:
         assert not re.search(r"(?<![\w&/])#\d+\b|\bissues? \d+", page.read_text(), re.I), f"{page.name}: issue number"
+
+
+def test_shown_output_is_compared_where_it_does_not_vary(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "<!-- run: output vary=\\s+[\\d.]+ ms$ -->\n```bash\nrun-it\n```\n\n```text\nsize 4.03 MiB\nstep 12.5 ms\n```\n"
+    )
+    (block, shown) = blocks_of(page)
+    assert block.output and block.shown == shown.code and block.vary == r"\s+[\d.]+ ms$"
+    assert _shown_lines_missing(block.shown, "header\nsize   4.03 MiB\nstep 99.1 ms\n", block.vary) == []
+    assert _shown_lines_missing(block.shown, "size 4.10 MiB\nstep 12.5 ms\n", block.vary) == ["size 4.03 MiB"]
+    assert _shown_lines_missing(block.shown, "step 12.5 ms\nsize 4.03 MiB\n", block.vary) == ["step~"]  # order
+
+
+def test_the_planner_guide_compares_its_shown_output():
+    shown = [b for b in blocks_of(GUIDE / "planner.md") if b.output]
+    assert shown and all(b.shown and "pick:" in b.shown for b in shown)

@@ -28,6 +28,7 @@ LAYERS = {
     "fastpar.launcher": 10,  # spawning ranks and joining process groups
     "fastpar.host": 5,
     "fastpar.user_errors": 5,
+    "fastpar.safe_files": 6,  # writing in folders others may write: no symlink followed, no foreign folder
     "fastpar._optional": 5,
     "fastpar._pickling": 5,
     "fastpar._version": 5,

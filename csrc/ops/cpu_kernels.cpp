@@ -17,6 +17,7 @@
 
 #include "ops/bucket_ops.h"
 #include "float_convert.h"
+#include "text.h"
 
 namespace fastpar {
 namespace {
@@ -39,7 +40,7 @@ void dispatch_dtype(at::ScalarType type, F&& f) {
       f(c10::BFloat16{});
       break;
     default:
-      TORCH_CHECK_TYPE(false, "fastpar: unsupported dtype ", type);
+      TORCH_CHECK_TYPE(false, text("fastpar: unsupported dtype ", type));
   }
 }
 

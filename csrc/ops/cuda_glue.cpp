@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "ops/bucket_ops.h"
+#include "text.h"
 #include "ops/cuda/bucket_kernels.h"
 
 namespace fastpar {
@@ -25,7 +26,7 @@ cuda::DType to_cuda_dtype(at::ScalarType type) {
     case at::kBFloat16:
       return cuda::DType::kBFloat16;
     default:
-      TORCH_CHECK_TYPE(false, "fastpar: unsupported dtype ", type);
+      TORCH_CHECK_TYPE(false, text("fastpar: unsupported dtype ", type));
   }
 }
 

@@ -9,6 +9,7 @@
 
 #include "shm/collectives.h"
 #include "shm/reduce.h"
+#include "text.h"
 
 namespace fastpar::shm {
 namespace {
@@ -163,7 +164,8 @@ void ShmBackend::detach(const std::string& reason) {
 }
 
 SharedBuffers& ShmBackend::shared_buffers() {
-  TORCH_CHECK(shared_ != nullptr, "fastpar shm backend: shared buffers need the shared-memory path (", reason_, ")");
+  TORCH_CHECK(shared_ != nullptr,
+              text("fastpar shm backend: shared buffers need the shared-memory path (", reason_, ")"));
   return *shared_;
 }
 
@@ -221,7 +223,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce(std::vector<at::Tensor>& te
   const auto timeout = op_timeout(opts.timeout);
   const at::Tensor& user = tensors[0];
   int64_t offset = 0;
-  if (user.is_contiguous() && !user.is_complex()) {
+  if (BucketCollectiveScope::active() && user.is_contiguous() && !user.is_complex()) {  // DDP marked its bucket
     const auto bytes = static_cast<size_t>(user.numel()) * user.element_size();
     if (auto region = shared_->find(user.const_data_ptr(), bytes, &offset)) {  // a DDP bucket: nothing to stage
       const Reduction reduction{user.scalar_type(), opts.reduceOp.op_ == c10d::ReduceOp::AVG};
@@ -282,13 +284,15 @@ c10::intrusive_ptr<ShmWork> ShmBackend::list_work(const std::vector<at::Tensor>&
 }
 
 void ShmBackend::all_reduce_lists(const std::vector<std::vector<at::Tensor>>& lists) {
-  TORCH_CHECK(executor_, "fastpar shm backend: all_reduce_lists needs the shared-memory path, which is off: ", reason_);
+  TORCH_CHECK(executor_,
+              text("fastpar shm backend: all_reduce_lists needs the shared-memory path, which is off: ", reason_));
   for (size_t k = 0; k < lists.size(); ++k) {
     const auto& list = lists[k];
     for (size_t i = 0; i < list.size(); ++i) {
-      TORCH_CHECK(reducible_tensor(list[i]) && same_dtype(list[i], list[0]), "fastpar shm backend: list ", k,
-                  ", tensor ", i, " is ", list[i].scalar_type(), " on ", list[i].device(),
-                  "; a list all-reduce takes CPU tensors of one float dtype (", list[0].scalar_type(), " here)");
+      TORCH_CHECK(reducible_tensor(list[i]) && same_dtype(list[i], list[0]),
+                  text("fastpar shm backend: list ", k, ", tensor ", i, " is ", list[i].scalar_type(), " on ",
+                       list[i].device(), "; a list all-reduce takes CPU tensors of one float dtype (",
+                       list[0].scalar_type(), " here)"));
     }
   }
   // The caller waits at once: each list runs on this thread when the queue is empty, without waking the worker.

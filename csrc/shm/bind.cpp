@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "shm/backend.h"
+#include "text.h"
 
 namespace fastpar::shm {
 
@@ -85,14 +86,16 @@ void bind(pybind11::module_& m) {
       "shm_all_reduce_lists",
       [](const c10::intrusive_ptr<c10d::Backend>& backend, const py::list& lists) {
         auto* shm = dynamic_cast<ShmBackend*>(backend.get());
-        TORCH_CHECK(shm != nullptr, "shm_all_reduce_lists needs a 'fastpar' backend, got ", backend->getBackendName());
+        TORCH_CHECK(shm != nullptr,
+                    text("shm_all_reduce_lists needs a 'fastpar' backend, got ", backend->getBackendName()));
         // Straight from the Python objects: thousands of tensors cost no dispatcher boxing.
         std::vector<std::vector<at::Tensor>> tensors(lists.size());
         for (size_t k = 0; k < lists.size(); ++k) {
           const auto list = py::reinterpret_borrow<py::sequence>(lists[k]);
           tensors[k].reserve(list.size());
           for (const auto& item : list) {
-            TORCH_CHECK_TYPE(THPVariable_Check(item.ptr()), "shm_all_reduce_lists: list ", k, " holds a non-tensor");
+            TORCH_CHECK_TYPE(THPVariable_Check(item.ptr()),
+                             text("shm_all_reduce_lists: list ", k, " holds a non-tensor"));
             tensors[k].push_back(THPVariable_Unpack(item.ptr()));
           }
         }
@@ -106,7 +109,7 @@ void bind(pybind11::module_& m) {
   // agrees between them whether every rank succeeded).
   auto shared_of = [](const c10::intrusive_ptr<c10d::Backend>& backend) -> SharedBuffers& {
     auto* shm = dynamic_cast<ShmBackend*>(backend.get());
-    TORCH_CHECK(shm != nullptr, "shared buffers need a 'fastpar' backend, got ", backend->getBackendName());
+    TORCH_CHECK(shm != nullptr, text("shared buffers need a 'fastpar' backend, got ", backend->getBackendName()));
     return shm->shared_buffers();
   };
   m.def(
@@ -130,6 +133,10 @@ void bind(pybind11::module_& m) {
       py::arg("backend"), py::arg("id"), py::arg("dtype"), py::arg("numel"),
       "Step 4: the flat tensor over this rank's buffer");
   m.def(
+      "shm_mark_bucket_collective", [](bool active) { return BucketCollectiveScope::set(active); }, py::arg("active"),
+      "On this thread, the all-reduces issued next are DDP's bucket collectives (the shared protocol); returns the "
+      "previous value");
+  m.def(
       "shm_shared_release",
       [shared_of](const c10::intrusive_ptr<c10d::Backend>& backend, int64_t id) { shared_of(backend).release(id); },
       py::arg("backend"), py::arg("id"), "Drop a buffer whose creation failed on some rank");
@@ -137,17 +144,19 @@ void bind(pybind11::module_& m) {
       "shm_all_reduce_runs",
       [](const c10::intrusive_ptr<c10d::Backend>& backend, const py::sequence& tensors) {
         auto* shm = dynamic_cast<ShmBackend*>(backend.get());
-        TORCH_CHECK(shm != nullptr, "shm_all_reduce_runs needs a 'fastpar' backend, got ", backend->getBackendName());
+        TORCH_CHECK(shm != nullptr,
+                    text("shm_all_reduce_runs needs a 'fastpar' backend, got ", backend->getBackendName()));
         // One list per run of one dtype, split here: the caller does no per-tensor Python work.
         std::vector<std::vector<at::Tensor>> lists;
         size_t i = 0;
         for (const auto& item : tensors) {
-          TORCH_CHECK_TYPE(THPVariable_Check(item.ptr()), "all_reduce_coalesced: tensors[", i, "] is not a tensor");
+          TORCH_CHECK_TYPE(THPVariable_Check(item.ptr()),
+                           text("all_reduce_coalesced: tensors[", i, "] is not a tensor"));
           const at::Tensor& t = THPVariable_Unpack(item.ptr());
           const auto dtype = t.scalar_type();
           TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-                           "all_reduce_coalesced: tensors[", i, "] has dtype ", dtype,
-                           "; use float32/float16/bfloat16");
+                           text("all_reduce_coalesced: tensors[", i, "] has dtype ", dtype,
+                                "; use float32/float16/bfloat16"));
           if (lists.empty() || lists.back().front().scalar_type() != dtype) lists.emplace_back();
           lists.back().push_back(t);
           ++i;

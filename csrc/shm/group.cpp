@@ -10,8 +10,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
 #include <thread>
+
+#include "text.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -27,8 +28,8 @@ using Clock = std::chrono::steady_clock;
 // needs (fastpar/comm/threads.py chooses per group).
 std::chrono::nanoseconds default_max_spin() {
   static const std::chrono::nanoseconds budget = [] {
-    const char* text = std::getenv("FASTPAR_SHM_SPIN_US");
-    const long us = text != nullptr ? std::strtol(text, nullptr, 10) : 50;
+    const char* value = std::getenv("FASTPAR_SHM_SPIN_US");
+    const long us = value != nullptr ? std::strtol(value, nullptr, 10) : 50;
     return std::chrono::nanoseconds(std::max(0L, us) * 1000);
   }();
   return budget;
@@ -86,26 +87,20 @@ std::string dtype_name(int32_t dtype) {
   }
 }
 
-std::string seconds(std::chrono::milliseconds ms) {
-  std::ostringstream out;
-  out << ms.count() / 1000.0 << " s";
-  return out.str();
-}
+std::string seconds(std::chrono::milliseconds ms) { return text(ms.count() / 1000.0, " s"); }
 
 // "(float32 x 1000, sum)": what a collective was called with.
 std::string arguments(const OpDesc& desc) {
-  std::ostringstream out;
-  out << "(";
+  std::string out = "(";
   if (desc.dtype >= 0) {
-    out << dtype_name(desc.dtype) << " x " << desc.count;
+    out += text(dtype_name(desc.dtype), " x ", desc.count);
   } else {
-    out << desc.count << " bytes";
+    out += text(desc.count, " bytes");
   }
-  if (desc.root >= 0) out << ", root " << desc.root;
-  if (desc.reduce >= 0) out << (desc.reduce == 1 ? ", avg" : ", sum");  // c10d::ReduceOp: SUM 0, AVG 1
-  if (desc.shared_id >= 0) out << ", shared buffer " << desc.shared_id << " at byte " << desc.shared_offset;
-  out << ")";
-  return out.str();
+  if (desc.root >= 0) out += text(", root ", desc.root);
+  if (desc.reduce >= 0) out += desc.reduce == 1 ? ", avg" : ", sum";  // c10d::ReduceOp: SUM 0, AVG 1
+  if (desc.shared_id >= 0) out += text(", shared buffer ", desc.shared_id, " at byte ", desc.shared_offset);
+  return out + ")";
 }
 
 }  // namespace
@@ -295,25 +290,24 @@ void Group::check_lagging(Counter counter, uint64_t step, int only_rank, bool ti
     RankBlock& block = segment_.rank(q);
     if (q == rank_ || block.counters[c].value.load(std::memory_order_acquire) >= step) continue;
     const Liveness liveness = probe(block);
-    std::ostringstream out;
-    out << "rank " << q << " (pid " << block.pid << ") ";
+    std::string out = text("rank ", q, " (pid ", block.pid, ") ");
     if (liveness == Liveness::kDead) {
-      out << "died (its process exited or was killed) while rank " << rank_ << " waited for it to "
-          << counter_phase(counter) << " " << where();
+      out += text("died (its process exited or was killed) while rank ", rank_, " waited for it to ",
+                  counter_phase(counter), " ", where());
     } else if (liveness == Liveness::kLeft) {
-      out << "left the group (destroy_process_group, or the process is exiting) while rank " << rank_
-          << " waited for it to " << counter_phase(counter) << " " << where();
+      out += text("left the group (destroy_process_group, or the process is exiting) while rank ", rank_,
+                  " waited for it to ", counter_phase(counter), " ", where());
     } else if (timed_out) {
       const auto seq = block.op_seq.load(std::memory_order_acquire);
       const auto kind = static_cast<OpKind>(block.op_kind.load(std::memory_order_relaxed));
-      out << "did not " << counter_phase(counter) << " " << where() << " within " << seconds(op_timeout_)
-          << " (the timeout); it is alive";
-      if (seq != 0) out << ", in (or last in) " << op_name(kind) << " #" << seq;
-      out << ". Every rank must make the same collective calls in the same order";
+      out += text("did not ", counter_phase(counter), " ", where(), " within ", seconds(op_timeout_),
+                  " (the timeout); it is alive");
+      if (seq != 0) out += text(", in (or last in) ", op_name(kind), " #", seq);
+      out += ". Every rank must make the same collective calls in the same order";
     } else {
       continue;
     }
-    abort(out.str());
+    abort(out);
   }
   if (timed_out) {
     abort("timed out after " + seconds(op_timeout_) + " in " + where() + " waiting for ranks that are alive");

@@ -13,6 +13,7 @@
 
 #include "float_convert.h"
 #include "shm/segment.h"
+#include "text.h"
 
 namespace fastpar::shm {
 namespace {
@@ -179,7 +180,7 @@ void dispatch_reducible(at::ScalarType dtype, F&& f) {
     case at::kHalf:
       return f(c10::Half{});
     default:
-      TORCH_CHECK_TYPE(false, "fastpar shm: cannot reduce dtype ", dtype);
+      TORCH_CHECK_TYPE(false, text("fastpar shm: cannot reduce dtype ", dtype));
   }
 }
 

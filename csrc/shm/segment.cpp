@@ -1,6 +1,7 @@
 // POSIX shared memory for fastpar's same-host collectives: create/open/unlink a group's segment and the robust
 // mutexes that tell the other ranks a process died (the kernel marks them when their owner exits, kill -9 included).
 #include "shm/segment.h"
+#include "text.h"
 
 #include <c10/util/Exception.h>
 #include <fcntl.h>
@@ -40,7 +41,7 @@ void init_robust_mutex(pthread_mutex_t* mutex) {
   pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
   const int err = pthread_mutex_init(mutex, &attr);
   pthread_mutexattr_destroy(&attr);
-  TORCH_CHECK(err == 0, "fastpar shm: cannot initialise a process-shared robust mutex: ", errno_text(err));
+  TORCH_CHECK(err == 0, text("fastpar shm: cannot initialise a process-shared robust mutex: ", errno_text(err)));
 }
 
 }  // namespace
@@ -51,25 +52,26 @@ size_t Segment::size_for(int world, size_t slot_bytes, int buffers) {
 }
 
 void Segment::create(const std::string& name, int world, size_t slot_bytes, int buffers, uint64_t token) {
-  TORCH_CHECK(world >= 1 && world <= kMaxRanks, "fastpar shm: world size ", world, " outside 1..", kMaxRanks);
+  TORCH_CHECK(world >= 1 && world <= kMaxRanks, text("fastpar shm: world size ", world, " outside 1..", kMaxRanks));
   TORCH_CHECK(slot_bytes % kPage == 0 && slot_bytes > 0, "fastpar shm: slot size must be a multiple of 4096");
-  TORCH_CHECK(buffers >= 2 && buffers <= kMaxBuffers, "fastpar shm: buffers must be 2..", kMaxBuffers);
+  TORCH_CHECK(buffers >= 2 && buffers <= kMaxBuffers, text("fastpar shm: buffers must be 2..", kMaxBuffers));
   const size_t size = size_for(world, slot_bytes, buffers);
   Fd file{::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, S_IRUSR | S_IWUSR)};
-  TORCH_CHECK(file.fd >= 0, "fastpar shm: cannot create ", name, ": ", errno_text(errno));
+  TORCH_CHECK(file.fd >= 0, text("fastpar shm: cannot create ", name, ": ", errno_text(errno)));
   ::fchmod(file.fd, S_IRUSR | S_IWUSR);  // 0600 whatever the umask: gradients are nobody else's business
   // Reserve every page now: on a full /dev/shm, touching a page of a sparse file kills the process with SIGBUS.
   const int err = ::posix_fallocate(file.fd, 0, static_cast<off_t>(size));
   if (err != 0) {
     ::shm_unlink(name.c_str());
-    TORCH_CHECK(false, "fastpar shm: cannot reserve ", size >> 20, " MB in /dev/shm for ", name, ": ",
-                errno_text(err), ". Free space there (df -h /dev/shm; in Docker pass --shm-size) or use gloo");
+    TORCH_CHECK(false, text("fastpar shm: cannot reserve ", size >> 20, " MB in /dev/shm for ", name, ": ",
+                            errno_text(err),
+                            ". Free space there (df -h /dev/shm; in Docker pass --shm-size) or use gloo"));
   }
   void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, file.fd, 0);
   if (base == MAP_FAILED) {
     const int map_err = errno;
     ::shm_unlink(name.c_str());
-    TORCH_CHECK(false, "fastpar shm: cannot map ", name, ": ", errno_text(map_err));
+    TORCH_CHECK(false, text("fastpar shm: cannot map ", name, ": ", errno_text(map_err)));
   }
   auto* header = new (base) Header();
   for (int r = 0; r < world; ++r) {
@@ -89,23 +91,24 @@ void Segment::create(const std::string& name, int world, size_t slot_bytes, int 
 
 Segment Segment::open(const std::string& name, int world, uint64_t token) {
   Fd file{::shm_open(name.c_str(), O_RDWR, 0)};
-  TORCH_CHECK(file.fd >= 0, "fastpar shm: cannot open ", name, ": ", errno_text(errno),
-              " (is /dev/shm shared by all ranks, e.g. the same container?)");
+  TORCH_CHECK(file.fd >= 0, text("fastpar shm: cannot open ", name, ": ", errno_text(errno),
+              " (is /dev/shm shared by all ranks, e.g. the same container?)"));
   struct stat st {};
-  TORCH_CHECK(::fstat(file.fd, &st) == 0, "fastpar shm: cannot stat ", name, ": ", errno_text(errno));
-  TORCH_CHECK(st.st_uid == ::geteuid(), "fastpar shm: ", name, " belongs to uid ", st.st_uid, ", not to this user");
+  TORCH_CHECK(::fstat(file.fd, &st) == 0, text("fastpar shm: cannot stat ", name, ": ", errno_text(errno)));
+  TORCH_CHECK(st.st_uid == ::geteuid(),
+              text("fastpar shm: ", name, " belongs to uid ", st.st_uid, ", not to this user"));
   const size_t size = static_cast<size_t>(st.st_size);
-  TORCH_CHECK(size >= sizeof(Header), "fastpar shm: ", name, " is too small to be a fastpar segment");
+  TORCH_CHECK(size >= sizeof(Header), text("fastpar shm: ", name, " is too small to be a fastpar segment"));
   void* base = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, file.fd, 0);
-  TORCH_CHECK(base != MAP_FAILED, "fastpar shm: cannot map ", name, ": ", errno_text(errno));
+  TORCH_CHECK(base != MAP_FAILED, text("fastpar shm: cannot map ", name, ": ", errno_text(errno)));
   Segment segment;
   segment.base_ = static_cast<char*>(base);
   segment.size_ = size;
   const Header& header = segment.header();
-  TORCH_CHECK(header.magic == kMagic && header.token == token, "fastpar shm: ", name,
-              " is not this group's segment (another job's, or another /dev/shm)");
+  TORCH_CHECK(header.magic == kMagic && header.token == token, text("fastpar shm: ", name,
+              " is not this group's segment (another job's, or another /dev/shm)"));
   TORCH_CHECK(header.world == static_cast<uint32_t>(world) && header.total_bytes == size,
-              "fastpar shm: ", name, " was made for ", header.world, " ranks, this group has ", world);
+              text("fastpar shm: ", name, " was made for ", header.world, " ranks, this group has ", world));
   return segment;
 }
 
@@ -143,7 +146,7 @@ char* Segment::result(uint64_t s) const {
 
 void join(RankBlock& block, int pid) {
   const int err = pthread_mutex_lock(&block.alive);
-  TORCH_CHECK(err == 0, "fastpar shm: cannot take this rank's liveness lock: ", errno_text(err));
+  TORCH_CHECK(err == 0, text("fastpar shm: cannot take this rank's liveness lock: ", errno_text(err)));
   block.pid = pid;
   block.state.store(static_cast<uint32_t>(RankState::kJoined), std::memory_order_release);
 }

@@ -1,5 +1,6 @@
 // Shared-memory buffers every rank of a group maps (see shared_buffers.h).
 #include "shm/shared_buffers.h"
+#include "text.h"
 
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
@@ -25,7 +26,7 @@ struct Fd {
 
 char* map_file(int fd, size_t bytes, const std::string& name) {
   void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  TORCH_CHECK(base != MAP_FAILED, "fastpar shm: cannot map ", name, ": ", errno_text(errno));
+  TORCH_CHECK(base != MAP_FAILED, text("fastpar shm: cannot map ", name, ": ", errno_text(errno)));
   return static_cast<char*>(base);
 }
 
@@ -56,13 +57,13 @@ int64_t SharedBuffers::create(size_t bytes) {
   region->own_name = name_of(id, rank_);
   region->bases.assign(world_, nullptr);
   Fd file{::shm_open(region->own_name.c_str(), O_CREAT | O_EXCL | O_RDWR, S_IRUSR | S_IWUSR)};
-  TORCH_CHECK(file.fd >= 0, "fastpar shm: cannot create ", region->own_name, ": ", errno_text(errno));
+  TORCH_CHECK(file.fd >= 0, text("fastpar shm: cannot create ", region->own_name, ": ", errno_text(errno)));
   region->own_linked = true;  // from here the region's destructor removes the name again
   ::fchmod(file.fd, S_IRUSR | S_IWUSR);
   // Every page now: on a full /dev/shm a sparse file's first touch would be a SIGBUS, not an error.
   const int err = ::posix_fallocate(file.fd, 0, static_cast<off_t>(bytes));
-  TORCH_CHECK(err == 0, "fastpar shm: cannot reserve ", bytes >> 20, " MB in /dev/shm for ", region->own_name, ": ",
-              errno_text(err));
+  TORCH_CHECK(err == 0, text("fastpar shm: cannot reserve ", bytes >> 20, " MB in /dev/shm for ", region->own_name,
+                             ": ", errno_text(err)));
   region->bases[rank_] = map_file(file.fd, bytes, region->own_name);
   std::lock_guard<std::mutex> lock(mutex_);
   pending_[id] = std::move(region);
@@ -72,7 +73,7 @@ int64_t SharedBuffers::create(size_t bytes) {
 std::shared_ptr<SharedRegion> SharedBuffers::pending(int64_t id) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = pending_.find(id);
-  TORCH_CHECK(it != pending_.end(), "fastpar shm: no shared buffer ", id, " is being created here");
+  TORCH_CHECK(it != pending_.end(), text("fastpar shm: no shared buffer ", id, " is being created here"));
   return it->second;
 }
 
@@ -82,11 +83,11 @@ void SharedBuffers::map_peers(int64_t id) {
     if (q == rank_ || region->bases[q] != nullptr) continue;
     const std::string name = name_of(id, q);
     Fd file{::shm_open(name.c_str(), O_RDWR, 0)};
-    TORCH_CHECK(file.fd >= 0, "fastpar shm: cannot open rank ", q, "'s buffer ", name, ": ", errno_text(errno));
+    TORCH_CHECK(file.fd >= 0, text("fastpar shm: cannot open rank ", q, "'s buffer ", name, ": ", errno_text(errno)));
     struct stat st {};
     const bool same = ::fstat(file.fd, &st) == 0 && st.st_uid == ::geteuid() &&
                       static_cast<size_t>(st.st_size) == region->bytes;
-    TORCH_CHECK(same, "fastpar shm: ", name, " is not rank ", q, "'s buffer of ", region->bytes, " bytes");
+    TORCH_CHECK(same, text("fastpar shm: ", name, " is not rank ", q, "'s buffer of ", region->bytes, " bytes"));
     region->bases[q] = map_file(file.fd, region->bytes, name);
   }
 }
@@ -107,13 +108,14 @@ at::Tensor SharedBuffers::tensor(int64_t id, at::ScalarType dtype, int64_t numel
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = pending_.find(id);
-    TORCH_CHECK(it != pending_.end(), "fastpar shm: no shared buffer ", id, " is being created here");
+    TORCH_CHECK(it != pending_.end(), text("fastpar shm: no shared buffer ", id, " is being created here"));
     region = std::move(it->second);
     pending_.erase(it);
     TORCH_CHECK(numel >= 0 && static_cast<size_t>(numel) * c10::elementSize(dtype) <= region->bytes,
-                "fastpar shm: ", numel, " elements do not fit shared buffer ", id);
+                text("fastpar shm: ", numel, " elements do not fit shared buffer ", id));
     for (int q = 0; q < world_; ++q) {
-      TORCH_CHECK(region->bases[q] != nullptr, "fastpar shm: shared buffer ", id, " lacks rank ", q, "'s mapping");
+      TORCH_CHECK(region->bases[q] != nullptr,
+                  text("fastpar shm: shared buffer ", id, " lacks rank ", q, "'s mapping"));
     }
     for (auto stale = live_.begin(); stale != live_.end();) {  // regions whose tensors are gone
       stale = stale->second.expired() ? live_.erase(stale) : std::next(stale);
@@ -123,6 +125,18 @@ at::Tensor SharedBuffers::tensor(int64_t id, at::ScalarType dtype, int64_t numel
   char* base = region->bases[rank_];
   return at::from_blob(
       base, {numel}, [region](void*) mutable { region.reset(); }, at::TensorOptions().dtype(dtype));
+}
+
+namespace {
+thread_local bool bucket_collective = false;
+}  // namespace
+
+bool BucketCollectiveScope::active() { return bucket_collective; }
+
+bool BucketCollectiveScope::set(bool active) {
+  const bool previous = bucket_collective;
+  bucket_collective = active;
+  return previous;
 }
 
 std::shared_ptr<SharedRegion> SharedBuffers::find(const void* data, size_t bytes, int64_t* offset) {

@@ -29,6 +29,23 @@ struct SharedRegion {
   ~SharedRegion();
 };
 
+// Marks, on this thread, that the all-reduce being issued is one of DDP's bucket collectives (every rank reduces the
+// same bucket at the same offset of its shared buffer). Only such an all-reduce takes the shared protocol: any other
+// tensor that happens to lie in a shared buffer (a user's own all_reduce(p.grad)) goes the usual way, so ranks that
+// disagree about it are not mismatched by protocol.
+class BucketCollectiveScope {
+ public:
+  BucketCollectiveScope() : previous_(set(true)) {}
+  ~BucketCollectiveScope() { set(previous_); }
+  BucketCollectiveScope(const BucketCollectiveScope&) = delete;
+  BucketCollectiveScope& operator=(const BucketCollectiveScope&) = delete;
+  static bool active();
+  static bool set(bool active);  // returns the previous value
+
+ private:
+  bool previous_;
+};
+
 class SharedBuffers {
  public:
   SharedBuffers(std::string prefix, int rank, int world) : prefix_(std::move(prefix)), rank_(rank), world_(world) {}

@@ -28,7 +28,7 @@ from types import ModuleType
 
 from .._optional import available
 from ..launcher import launched_by_torchrun
-from ..user_errors import UserError, describe
+from ..user_errors import UserError, describe, redact_url
 from .context import BenchContext
 from .harness import (
     DTYPES,
@@ -266,8 +266,9 @@ def finish(report: BenchReport, ctx: BenchContext) -> BenchReport:
     machine busier than its cores slows every number, which the reader must be told."""
     from .machine import machine_facts
 
-    report.config = ctx.config()
-    report.command = ctx.command
+    # a flag may be a URL with a password or token in it (--root): the JSON keeps it without them
+    report.config = {k: redact_url(v) if isinstance(v, str) else v for k, v in ctx.config().items()}
+    report.command = redact_url(ctx.command)
     report.created = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     report.machine = machine_facts()
     load_after = load_average()
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None, benchmarks: Mapping[str, str] = BENCHMAR
 
     def fail(kind: str, exc: object, status: int) -> int:
         if leader:
-            print(f"fastpar bench {name}: {kind}: {exc}", file=sys.stderr)
+            print(f"fastpar bench {name}: {kind}: {redact_url(str(exc))}", file=sys.stderr)
         return status
 
     try:

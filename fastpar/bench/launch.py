@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..launcher import join_process_group, launched_by_torchrun, set_threads, spawn
+from ..launcher import join_process_group, launched_by_torchrun, leave_process_group, set_threads, spawn
 from .context import BenchContext
 from .harness import BenchUsageError, Plan, WrongResultError, interleaved_rounds, median
 
@@ -170,5 +170,5 @@ def _run_external(fn: Callable[..., Any], args: tuple, world: World, threads: in
         value = _rank_entry(rank, world.nproc, fn, args)
     finally:
         if owns_group:
-            dist.destroy_process_group()
+            leave_process_group()
     return value if rank == 0 else (value if isinstance(value, _Wrong) else None)

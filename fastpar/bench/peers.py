@@ -19,7 +19,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..launcher import free_port, loopback_env
+from ..launcher import LOOPBACK, loopback_env, loopback_store
+
+_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def _resolve(factory: str) -> Callable[..., Callable[[], object]]:
@@ -27,15 +29,12 @@ def _resolve(factory: str) -> Callable[..., Callable[[], object]]:
     return getattr(importlib.import_module(module), name)
 
 
-def _init(rank: int, world_size: int, port: int) -> None:
+def _init(rank: int, world_size: int, port: int, store: dist.Store | None = None) -> None:
+    """Join the group on rank 0's loopback store (``store`` on rank 0, a client of it on the peers)."""
     os.environ.update(loopback_env(port, rank, world_size))
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=120),
-    )
+    if store is None:
+        store = dist.TCPStore(LOOPBACK, port, None, is_master=False, timeout=_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=_TIMEOUT)
 
 
 def _peer(rank: int, world_size: int, port: int, factory: str, args: tuple, calls: int) -> None:
@@ -67,7 +66,8 @@ def peer_group(factory: str, args: tuple, calls: int, world_size: int = 2) -> It
     Call it at most ``calls`` times; any calls left are made on exit so no rank waits forever."""
     if dist.is_initialized():
         raise RuntimeError("peer_group needs a process without a process group")
-    port = free_port()
+    store = loopback_store(_TIMEOUT.total_seconds())  # served here, on loopback only; the peers are its clients
+    port = store.port
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(target=_peer, args=(rank, world_size, port, factory, args, calls), daemon=True)
@@ -77,7 +77,7 @@ def peer_group(factory: str, args: tuple, calls: int, world_size: int = 2) -> It
         p.start()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    _init(0, world_size, port)
+    _init(0, world_size, port, store)
     try:
         counted = CountedCall(_resolve(factory)(0, world_size, *args))
         yield counted

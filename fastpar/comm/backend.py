@@ -31,7 +31,7 @@ import torch
 
 from ..ops import loader
 from . import threads
-from .segments import SHM_DIR, segment_name, sweep_stale_segments
+from .segments import SHM_DIR, create_segment, sweep_stale_segments
 
 BACKEND_NAME = "fastpar"
 MAX_RANKS = 64  # csrc/shm/segment.h kMaxRanks
@@ -134,9 +134,10 @@ def _rendezvous(backend, ext, store, key: str, rank: int, size: int, group: str)
             plan = {"name": "", "token": 0, "reason": _why_not(hosts)}
             if not plan["reason"]:
                 sweep_stale_segments()
-                plan["name"], plan["token"] = segment_name(group), secrets.randbits(63)
+                token = secrets.randbits(63)
                 try:
-                    ext.shm_create(plan["name"], size, *staging(), plan["token"])
+                    name = create_segment(lambda name: ext.shm_create(name, size, *staging(), token), group)
+                    plan["name"], plan["token"] = name, token
                 except RuntimeError as exc:
                     plan["name"], plan["reason"] = "", f"cannot create the shared-memory segment: {exc}"
             store.set(f"{key}plan/0", json.dumps(plan))
@@ -265,3 +266,8 @@ def shm_status(group=None) -> dict:
         return {"backend": name, "shm": False, "reason": f"{type(backend).__name__} is not fastpar's backend"}
     active, reason = state
     return {"backend": name, "shm": bool(active), "reason": reason}
+
+
+# Last, once every name above exists: ``import fastpar.comm`` before torch imports torch from this module, and
+# the hook ``import fastpar`` set on torch's import leaves the registration to this line.
+register()

@@ -3,7 +3,9 @@
 A segment lives in /dev/shm only from the moment rank 0 creates it until every rank has mapped it (then rank 0
 unlinks the name; the memory goes away with the last mapping). Only a crash inside that window leaves a name
 behind. The name says who made it, in a form that stays true across containers sharing one /dev/shm:
-``fastpar.<uid>.<boot id>.<pid namespace>.<pid>.<process start time>.<group>.<n>``. The next group created on the
+``fastpar.<uid>.<boot id>.<pid namespace>.<pid>.<process start time>.<group>.<n>-<random>``. Every other part can
+be read from /proc by any local user; the random part keeps them from creating the name first, and a name that
+exists anyway (``EEXIST``) is retried under a new one (:func:`create_segment`). The next group created on the
 machine removes this user's names whose creator is gone for sure: made in an earlier boot, or in this process's
 PID namespace by a process that no longer runs. A name made in another PID namespace (another container) is left
 alone, since its pid means nothing here.
@@ -11,14 +13,18 @@ alone, since its pid means nothing here.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import re
+import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 _PREFIX = "fastpar"
 _counter = itertools.count()
+_CREATE_ATTEMPTS = 8
 
 
 def _start_time(pid: int | str) -> str | None:
@@ -58,7 +64,29 @@ def creator_tag(pid: int | None = None, start: str | None = None) -> str:
 def segment_name(group: str) -> str:
     """A new segment name for ``group`` of this job, unique on the machine (``shm_open`` form, with the slash)."""
     tag = re.sub(r"[^A-Za-z0-9_-]", "_", group)[:48] or "group"
-    return f"/{_PREFIX}.{os.geteuid()}.{creator_tag()}.{tag}.{next(_counter)}"
+    return f"/{_PREFIX}.{os.geteuid()}.{creator_tag()}.{tag}.{next(_counter)}-{secrets.token_hex(8)}"
+
+
+def _name_taken(error: RuntimeError) -> bool:
+    """Whether the extension's create error is EEXIST (its messages end in ``(errno N)``)."""
+    return f"(errno {errno.EEXIST})" in str(error)
+
+
+def create_segment(create: Callable[[str], object], group: str) -> str:
+    """Call ``create(name)`` with a new :func:`segment_name` until one is not taken; returns the name created.
+
+    A taken name is another user's squat (or a collision of 64 random bits): creation is ``O_EXCL``, so nothing
+    of theirs is opened, and a fresh name keeps the group on shared memory. Other errors pass through.
+    """
+    for attempt in range(_CREATE_ATTEMPTS):
+        name = segment_name(group)
+        try:
+            create(name)
+            return name
+        except RuntimeError as error:
+            if not _name_taken(error) or attempt == _CREATE_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _creator_gone(name: str) -> bool:

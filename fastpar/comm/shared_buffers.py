@@ -10,10 +10,16 @@ all-or-nothing: each rank creates its own file, the ranks agree (one all-reduce)
 agree again, and remove the names (nothing is left in /dev/shm, even after a crash). When any rank cannot (e.g.
 /dev/shm full) every rank gets None and keeps its buckets in private memory.
 ``FASTPAR_SHM_BUCKETS=0`` turns it off.
+
+Only an all-reduce issued inside :func:`bucket_collective` (DDP marks its bucket collectives so) takes the shared
+protocol; any other tensor, even one inside a shared buffer (a user's own ``all_reduce(p.grad)``), is staged as
+usual, so two ranks that disagree about such a tensor are not mismatched by protocol.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 
@@ -34,6 +40,22 @@ def available(group) -> bool:
     """Whether :func:`shared_flat` can make buffers for ``group``: fastpar's backend on shared memory."""
     ext = loader.extension()
     return enabled() and ext is not None and hasattr(ext, "shm_shared_create") and _shm_backend(group) is not None
+
+
+@contextlib.contextmanager
+def bucket_collective():
+    """On this thread, the all-reduces issued inside are DDP bucket collectives: a tensor in a shared buffer takes the
+    shared protocol (every rank must issue the same one, at the same offset of its buffer)."""
+    ext = loader.extension()
+    mark = getattr(ext, "shm_mark_bucket_collective", None)
+    if mark is None:
+        yield
+        return
+    previous = mark(True)
+    try:
+        yield
+    finally:
+        mark(previous)
 
 
 def _all_succeeded(ok: bool, group) -> bool:
@@ -90,3 +112,11 @@ def carve(sizes: list[tuple[int, torch.dtype]], group=None) -> list[torch.Tensor
         raw.narrow(0, offset, numel * dtype.itemsize).view(dtype)
         for offset, (numel, dtype) in zip(offsets, sizes, strict=True)
     ]
+
+
+def bucket_allocator(group, device: torch.device):
+    """How DDP's buckets on ``device`` get their communication buffers: :func:`carve` for ``group`` when its ranks
+    can share memory (their all-reduce then stages nothing), else None (private memory). Calling it is collective."""
+    if device.type != "cpu" or not available(group):
+        return None
+    return functools.partial(carve, group=group)

@@ -25,6 +25,7 @@ from statistics import median
 import torch
 from torch import nn
 
+from ..user_errors import UserError
 from .model_spec import ModelSpec, model_layers
 
 __all__ = ["ProbeResult", "matmul_flops_per_s", "probe"]
@@ -130,12 +131,27 @@ def _call(module: nn.Module, batch):
     return module(**batch) if isinstance(batch, dict) else module(batch)
 
 
+def _forward(spec: ModelSpec, module: nn.Module, batch):
+    """The first forward of a plan: an input made from the command line's shape that the model refuses is the
+    user's to fix, in one line."""
+    if spec.input_shape is None:
+        return _call(module, batch)
+    try:
+        return _call(module, batch)
+    except Exception as exc:  # noqa: BLE001 - the model raised on our input; --debug shows its traceback
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(
+            f"{spec.describe} refused an input of shape (batch, {', '.join(map(str, spec.input_shape))}): {first}; "
+            "check --input-shape and --input-dtype"
+        ) from exc
+
+
 def _saved_bytes(spec: ModelSpec, module: nn.Module, layers, batch) -> tuple[list[float], float, list[float]]:
     exclude = _storage_keys([*module.parameters(), *module.buffers(), *_input_tensors(batch)])
     counter = _SavedTensorCounter(module, layers, exclude)
     try:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-            loss = spec.loss_of(_call(module, batch), batch)
+            loss = spec.loss_of(_forward(spec, module, batch), batch)
     finally:
         counter.close()
     del loss

@@ -87,6 +87,7 @@ class ModelSpec:
     seq_len: int | None = None
     loss: Callable[[Any, Any], torch.Tensor] | None = None
     fixed_batch: int | None = None  # from_module: the given batch's size, the only one it can make
+    input_shape: tuple[int, ...] | None = None  # from_path's one-sample input shape, when given
     # every activation quadratic in the length comes from scaled_dot_product_attention, which GPUs run with
     # flash/memory-efficient kernels that keep none (the meta device runs the math path, which keeps L x L)
     quadratic_is_sdpa: bool = False
@@ -113,9 +114,20 @@ class ModelSpec:
 
     @classmethod
     def from_path(
-        cls, path: str, kwargs: dict[str, Any] | str | None = None, *, seq_len: int | None = None
+        cls,
+        path: str,
+        kwargs: dict[str, Any] | str | None = None,
+        *,
+        seq_len: int | None = None,
+        input_shape: tuple[int, ...] | None = None,
+        input_dtype: torch.dtype | str = torch.float32,
     ) -> ModelSpec:
-        """``"package.module:function"`` (or a class) called with ``kwargs`` (a dict or a JSON object string)."""
+        """``"package.module:function"`` (or a class) called with ``kwargs`` (a dict or a JSON object string).
+
+        ``input_shape``: one sample's input shape (no batch dimension), so any ``nn.Module`` can be planned:
+        the planner feeds it a ``(batch, *input_shape)`` tensor of ``input_dtype`` (random values for
+        floating-point dtypes, zeros -- a valid token or class index -- for integer ones). Without it the
+        module needs an ``example_batch(batch_size, seq_len, device)`` method."""
         if isinstance(kwargs, str):
             try:
                 kwargs = json.loads(kwargs)
@@ -142,7 +154,20 @@ class ModelSpec:
         if not callable(target):
             raise UserError(f"model {path!r} names a {type(target).__name__}, not a function or class")
         args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-        return cls(constructor=lambda: target(**kwargs), describe=f"{path}({args})", seq_len=seq_len)
+        example = None
+        if input_shape is not None:
+            if seq_len is not None:
+                raise UserError(
+                    "--seq-len and --input-shape both set the input's size; give the length inside --input-shape"
+                )
+            example = _input_maker(tuple(input_shape), _dtype(input_dtype))
+        return cls(
+            constructor=lambda: target(**kwargs),
+            describe=f"{path}({args})",
+            seq_len=seq_len,
+            example_input=example,
+            input_shape=None if input_shape is None else tuple(input_shape),
+        )
 
     @classmethod
     def from_module(cls, module: nn.Module, example_batch: Any, loss: Callable | None = None) -> ModelSpec:
@@ -196,7 +221,8 @@ class ModelSpec:
             return module.example_batch(batch_size, seq_len, device=device)
         raise UserError(
             f"{self.describe} has no example_batch(batch_size, seq_len, device) method, so the planner cannot make "
-            "an input to measure activations; add one, or plan with plan_for_module(module, batch)"
+            "an input to measure activations; give one sample's input shape (fastpar plan --input-shape 3,224,224 "
+            "[--input-dtype float32]), add the method, or plan with plan_for_module(module, batch)"
         )
 
     def loss_of(self, output: Any, batch: Any) -> torch.Tensor:
@@ -204,6 +230,27 @@ class ModelSpec:
             return self.loss(output, batch)
         first = output if isinstance(output, torch.Tensor) else next(t for t in _tensors(output))
         return first.float().square().mean()  # any scalar that reaches every output element
+
+
+def _dtype(name: torch.dtype | str) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise UserError(f"input dtype {name!r} is not a torch dtype; e.g. float32, bfloat16, int64")
+    return dtype
+
+
+def _input_maker(shape: tuple[int, ...], dtype: torch.dtype) -> Callable[[int, int | None, Any], torch.Tensor]:
+    if not shape or any(n < 1 for n in shape):
+        raise UserError(f"input shape {shape} needs at least one dimension, each >= 1 (one sample, no batch)")
+
+    def example(batch_size: int, seq_len: int | None, device: Any) -> torch.Tensor:
+        if dtype.is_floating_point or dtype.is_complex:
+            return torch.randn((batch_size, *shape), dtype=dtype, device=device)
+        return torch.zeros((batch_size, *shape), dtype=dtype, device=device)  # index 0 is valid for any table
+
+    return example
 
 
 def _tensors(value: Any):

@@ -3,7 +3,7 @@
 ::
 
     fastpar plan --transformer layers=24,hidden=2048,vocab=50000 --seq-len 1024 --devices 8 --device-memory 80GB
-    fastpar plan --model torchvision.models:resnet50 --devices 4 --nvml --batch-size 64 --json
+    fastpar plan --model torchvision.models:resnet50 --input-shape 3,224,224 --devices 4 --nvml --batch-size 64
 
 Prints per-device parameters, gradients, optimizer state, activations, buffers in flight and the total for
 DDP, ZeRO-1, ZeRO-2, FSDP2 (resharding after forward or not) and pipeline stages, whether each fits, the
@@ -29,6 +29,15 @@ def _parser() -> argparse.ArgumentParser:
         "--transformer", help="the reference transformer: layers=..,hidden=..,vocab=..[,heads=..,ffn_mult=..]"
     )
     p.add_argument("--kwargs", default=None, help="--model's keyword arguments as a JSON object")
+    p.add_argument(
+        "--input-shape",
+        default=None,
+        help="one sample's input to --model, without the batch dimension (e.g. 3,224,224): any nn.Module can be "
+        "planned; without it the module needs an example_batch method",
+    )
+    p.add_argument(
+        "--input-dtype", default="float32", help="dtype of --input-shape's input: float32, bfloat16, int64, ..."
+    )
     p.add_argument("--devices", type=int, required=True, help="devices (ranks) to train on")
     memory = p.add_mutually_exclusive_group(required=True)
     memory.add_argument("--device-memory", help="memory per device: 80GB, 80GiB, 512MiB or bytes")
@@ -94,12 +103,20 @@ def main(argv: list[str] | None = None) -> int:
     from .model_spec import ModelSpec
 
     if args.transformer is not None:
+        if args.input_shape is not None:
+            raise UserError("--input-shape is for --model; --transformer makes its own token batches")
         kwargs = transformer_kwargs(args.transformer)
         if args.seq_len is not None:
             kwargs.setdefault("seq_len", args.seq_len)
         spec = ModelSpec.transformer(**kwargs)
     else:
-        spec = ModelSpec.from_path(args.model, args.kwargs, seq_len=args.seq_len)
+        spec = ModelSpec.from_path(
+            args.model,
+            args.kwargs,
+            seq_len=args.seq_len,
+            input_shape=None if args.input_shape is None else _ints(args.input_shape, "--input-shape"),
+            input_dtype=args.input_dtype,
+        )
     strategies = STRATEGIES if args.strategies is None else [s.strip() for s in args.strategies.split(",") if s.strip()]
     try:
         result = plan(

@@ -8,10 +8,17 @@ every rank, ``set_epoch`` reshuffles, ``state_dict``/``load_state_dict`` resume 
 
 from __future__ import annotations
 
+from ..safe_files import UnsafeFolderError
 from .arrays import ArrayLoader, SequenceLoader, StreamLoader, array_loader, iterable_loader
 from .folder import ImageFolder, scan_image_folder
 from .loader import ImageLoader, image_loader
-from .remote.errors import BucketNotFoundError, ObjectReadError, ObjectStoreError, StoreAccessError
+from .remote.errors import (
+    BucketNotFoundError,
+    ObjectReadError,
+    ObjectStoreError,
+    StoreAccessError,
+    UnsafeObjectKeyError,
+)
 from .remote.store import StoreOptions
 from .sharding import ShardSpec, num_batches, rank_batches
 from .synthetic import make_image_folder
@@ -30,6 +37,8 @@ __all__ = [
     "StoreAccessError",
     "StoreOptions",
     "StreamLoader",
+    "UnsafeFolderError",
+    "UnsafeObjectKeyError",
     "array_loader",
     "image_loader",
     "iterable_loader",

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .._optional import available, require
+from ..user_errors import redact_url
 from .remote.errors import ObjectReadError, ObjectStoreError
 from .remote.store import StoreOptions
 from .sources import LocalFiles, ObjectFiles
@@ -157,8 +158,10 @@ def dali_should_read(source: LocalFiles | ObjectFiles, storage: StoreOptions) ->
         why_not.append("it takes the endpoint from AWS_ENDPOINT_URL only; set that instead of endpoint_url=")
     if _dali_endpoint and _dali_endpoint[0] != os.environ.get("AWS_ENDPOINT_URL"):
         why_not.append(
-            f"it already talks to {_dali_endpoint[0] or 'AWS'} in this process (DALI reads AWS_ENDPOINT_URL "
-            f"once), and AWS_ENDPOINT_URL is now {os.environ.get('AWS_ENDPOINT_URL') or 'unset'}"
+            redact_url(
+                f"it already talks to {_dali_endpoint[0] or 'AWS'} in this process (DALI reads AWS_ENDPOINT_URL "
+                f"once), and AWS_ENDPOINT_URL is now {os.environ.get('AWS_ENDPOINT_URL') or 'unset'}"
+            )
         )
     if storage.anonymous:
         why_not.append("it cannot send anonymous requests")

@@ -7,6 +7,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..user_errors import redact_url
+
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 # Files that sit in data sets without being samples: ignored rather than reported as unsupported.
 _IGNORED_NAMES = {".DS_Store", "Thumbs.db", "desktop.ini"}
@@ -80,7 +82,8 @@ def sort_image_files(
             elif path.rsplit("/", 1)[-1] not in _IGNORED_NAMES:
                 unsupported.append(path)
     if unsupported:
-        message = f"{len(unsupported)} file(s) under {root} are not {'/'.join(IMAGE_SUFFIXES)} images: {_listing(unsupported)}"
+        listed = redact_url(_listing(unsupported))  # object URLs: shown without credentials
+        message = f"{len(unsupported)} file(s) under {root} are not {'/'.join(IMAGE_SUFFIXES)} images: {listed}"
         if strict:
             raise ValueError(message + ". Remove or convert them, or pass strict=False to skip them.")
         warnings.warn(message + "; skipping them.", stacklevel=3)

@@ -23,6 +23,7 @@ import torch
 
 from .._optional import available
 from ..host import usable_cpu_count
+from ..user_errors import redact_url
 from .remote.store import StoreOptions
 from .sharding import ShardSpec, rank_batches
 from .sources import open_image_source
@@ -30,6 +31,7 @@ from .transforms import IMAGENET_MEAN, IMAGENET_STD
 
 ON_CORRUPT = ("raise", "skip")
 BACKENDS = ("auto", "dali", "torch")
+GPU_DECODING = "mixed"  # image_loader's device for DALI's GPU decoder; the batches arrive on this rank's GPU
 
 
 def resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -53,6 +55,24 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _gpu_decoding(backend: str) -> str:
+    """``device="mixed"``: decode on this rank's GPU with DALI's "mixed" decoder (nvJPEG) and deliver the batches
+    there; the backend that does it, or why it can't be done here."""
+    if backend == "torch":
+        raise ValueError(
+            'device="mixed" decodes on the GPU with DALI; the torch backend decodes on CPU workers: use '
+            'backend="dali" (or "auto" with DALI installed), or device="cuda" to decode on CPU and deliver to the GPU'
+        )
+    if backend == "auto" and not available("nvidia.dali"):
+        raise ValueError(
+            'device="mixed" decodes on the GPU with NVIDIA DALI, which is not installed: '
+            "pip install --no-build-isolation -e '.[dali]', or use device=\"cuda\" (decoded on CPU, delivered to the GPU)"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError('device="mixed" decodes on a GPU, but torch sees none here; use device="cpu"')
+    return "dali"
 
 
 class PlannedLoader:
@@ -177,10 +197,12 @@ class ImageLoader(PlannedLoader):
             new = self.corrupt_files[self._warned :]
             self._warned = len(self.corrupt_files)
             warnings.warn(
-                f"skipped {len(new)} undecodable image(s) in epoch {epoch} (on_corrupt='skip'): "
-                + ", ".join(new[:10])
-                + (f" and {len(new) - 10} more" if len(new) > 10 else "")
-                + "; their batches were smaller. loader.corrupt_files lists them all.",
+                redact_url(
+                    f"skipped {len(new)} undecodable image(s) in epoch {epoch} (on_corrupt='skip'): "
+                    + ", ".join(new[:10])
+                    + (f" and {len(new) - 10} more" if len(new) > 10 else "")
+                    + "; their batches were smaller. loader.corrupt_files lists them all."
+                ),
                 stacklevel=3,
             )
 
@@ -224,7 +246,8 @@ def image_loader(
     the rest (retries, requests in flight, which reader DALI uses): see ``fastpar.data.StoreOptions``.
 
     Yields ``(images, labels)``: float32 ``(B, 3, size, size)`` normalised with ``mean``/``std`` and int64
-    ``(B,)``, on ``device`` (default: this rank's current GPU if any, else CPU). ``train=True``: random
+    ``(B,)``, on ``device`` (default: this rank's current GPU if any, else CPU; ``"mixed"``: decoded on this
+    rank's GPU by DALI's "mixed" decoder and delivered there, an error without DALI or a GPU). ``train=True``: random
     resized crop + horizontal flip, shuffled; ``train=False``: shorter side to size/0.875 + centre crop,
     in file order. ``backend``: "dali" (DALI pipeline; GPU decoding when the device is a GPU), "torch"
     (DataLoader + PIL), "auto" (DALI when installed). ``num_threads``: DALI threads or DataLoader workers
@@ -239,6 +262,8 @@ def image_loader(
         raise ValueError(f"on_corrupt must be one of {ON_CORRUPT}, got {on_corrupt!r}")
     if size < 1:
         raise ValueError(f"size must be a positive number of pixels, got {size}")
+    if isinstance(device, str) and device == GPU_DECODING:
+        backend, device = _gpu_decoding(backend), "cuda"
     rank, world_size = resolve_rank(rank, world_size)
     storage = dataclasses.replace(storage or StoreOptions(), **({"endpoint_url": endpoint_url} if endpoint_url else {}))
     folder, source = open_image_source(

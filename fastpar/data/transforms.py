@@ -14,6 +14,8 @@ import random
 import numpy as np
 import torch
 
+from ..user_errors import redact_url
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 EVAL_CROP_FRACTION = 0.875  # eval: shorter side resized to size / 0.875, then a size x size centre crop
@@ -22,7 +24,10 @@ RRC_RATIO = (3.0 / 4.0, 4.0 / 3.0)
 
 
 class CorruptImageError(RuntimeError):
-    """An image file that cannot be decoded; the message names the path."""
+    """An image file that cannot be decoded; the message names the path (an object URL without credentials)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_url(message))
 
 
 def random_resized_crop_box(width: int, height: int, rng: random.Random) -> tuple[float, float, float, float]:

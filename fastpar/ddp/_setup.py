@@ -47,12 +47,17 @@ def is_auto_cap(bucket_cap_mb, bucket_cap_mb_list) -> bool:
 
 
 def parent_kwargs(**kwargs) -> dict:
-    """The arguments for torch's constructor; one the installed torch lacks may only hold its default."""
+    """The arguments for torch's constructor; one the installed torch lacks may only hold its default.
+
+    None means "torch's default" in fastpar's signature, so it is left out rather than passed: an older torch
+    whose default is not None (``broadcast_buffers=True`` before 2.13) would otherwise store None."""
     out = {}
     for name, value in kwargs.items():
+        if value is None:
+            continue
         if name in _PARENT_PARAMS:
             out[name] = value
-        elif value not in (None, False):
+        elif value is not False:
             raise TypeError(
                 f"DistributedDataParallel({name}=...) needs a newer torch than {torch.__version__}; upgrade torch "
                 f"or leave {name} at its default"

@@ -261,6 +261,12 @@ class Bucket:
     def nbytes(self) -> int:
         return self.comm_flat.numel() * self.comm_flat.element_size()
 
+    def acquire_comm_flat(self) -> torch.Tensor:
+        """``comm_flat``, made ready to stage into: a DDP bucket owns it; a pooled ZeRO-2 bucket borrows one of
+        its pool's buffers here when it holds none, which may first wait for an earlier bucket's collective to
+        return one (:class:`fastpar.zero.layout.PooledBucket`). Reading ``comm_flat`` itself never allocates."""
+        return self.comm_flat
+
     def reset(self) -> None:
         self.pending = len(self.slots)
         self.work = None

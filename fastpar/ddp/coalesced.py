@@ -28,7 +28,7 @@ import torch.distributed as dist
 from .. import ops
 from ..comm import all_reduce_lists, all_reduce_runs, reduces_lists
 from .buckets import assign_buckets, default_caps
-from .pipeline import FinishQueue
+from .finish_queue import FinishQueue
 
 __all__ = ["CoalescedAllReduce", "all_reduce_coalesced", "plan_coalesced_buckets"]
 

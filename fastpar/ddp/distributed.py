@@ -184,5 +184,5 @@ class DistributedDataParallel(_TorchDDP):
         waiting for communication after backward (not hidden by overlap; on GPU the time the compute stream
         stalled, read from CUDA events), ``buckets``, ``step``, ``finished_early`` (buckets finished during backward)
         and ``hot_path``: ``"extension"`` when the per-gradient hooks ran in fastpar's C++ extension, else
-        ``"python"`` (see :mod:`fastpar.ddp.hot_path`)."""
+        ``"python"`` (see :mod:`fastpar.ddp.extension_hooks`)."""
         return self.reducer.stats()

@@ -10,9 +10,13 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .buckets import ParamSlot
 
 __all__ = ["UnusedParametersError", "BucketTimeoutError", "pg_timeout_seconds", "StuckBucketDiagnoser"]
 
@@ -99,3 +103,29 @@ class StuckBucketDiagnoser:
             "peers waiting; use model.join() for uneven inputs. Underlying error: "
             f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
         )
+
+
+def received_twice(slot: ParamSlot) -> str:
+    return (
+        f"fastpar DDP: parameter {slot.name} received a gradient twice in one synchronised backward (a second "
+        "backward over the same forward, or a parameter reused across reentrant checkpoints); run one backward per "
+        "forward, wrap the extra backward in model.no_sync(), or pass static_graph=True when the graph is the same "
+        "every step"
+    )
+
+
+def graph_changed(slot: ParamSlot) -> str:
+    return (
+        f"fastpar DDP: with static_graph=True, parameter {slot.name} received {slot.fires} gradient(s) in this "
+        f"backward but {slot.expected_fires} in the first iteration. The training graph changed (a parameter used "
+        "in some steps only, or a different number of checkpointed recomputations); static_graph needs the same "
+        "graph every step: pass find_unused_parameters=True instead of static_graph=True"
+    )
+
+
+def launch_failed(bucket, cause: str) -> RuntimeError:
+    names = ", ".join(bucket.names[:3]) + (", ..." if len(bucket.names) > 3 else "")
+    return RuntimeError(
+        f"fastpar DDP: the collective of bucket {bucket.index} ({names}) could not be launched: {cause}. The buckets "
+        "launched before it were waited for and this backward was ended; fix the cause above and run the step again"
+    )

@@ -88,7 +88,7 @@ def stage(
     with ``gradient_as_bucket_view=True``). ``keep_stale``: slot indices whose current view value is saved
     first, to be restored by :func:`finish` if no rank used the parameter (torch's default semantics).
     """
-    comm, grads_flat = bucket.comm_flat, bucket.grad_flat
+    comm, grads_flat = bucket.acquire_comm_flat(), bucket.grad_flat  # also sets the slots' comm_view
     in_place = comm is grads_flat
     run = _Run(comm)
     scaled = _Run(comm)  # gradients already in place: one mul_ over consecutive views

@@ -7,7 +7,9 @@
   else 1); the agents meet at a c10d rendezvous on the job's first node, so a Trainer in the workers runs
   its ``cluster`` environment. On Slurm that is one task per node (``--ntasks-per-node=1``) and the first
   host of the allocation; on the local executor ``nodes=N`` rehearses the job with N agents on this
-  machine meeting on 127.0.0.1.
+  machine meeting on 127.0.0.1, with every store on loopback. Across nodes the rendezvous store listens on the
+  first node's network interfaces (the agents print where): the network between the nodes must be trusted.
+  The run id is random, drawn once at submission, so knowing the job id is not enough to join the rendezvous.
 
 The result is the script's exit (None when it succeeded) or the function's return value on global rank 0.
 """
@@ -15,6 +17,7 @@ The result is the script's exit (None when it succeeded) or the function's retur
 from __future__ import annotations
 
 import random
+import secrets
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -52,6 +55,8 @@ class NodeAgent:
         self, target: Callable[..., Any] | str, args: tuple[Any, ...], nproc_per_node: int, port: int | None = None
     ) -> None:
         self.target, self.args, self.nproc_per_node, self.port = target, args, nproc_per_node, port
+        # drawn here, at submission, and pickled with the agent: every node reads the same one, nobody can derive it
+        self.run_id = f"fastpar-{secrets.token_hex(16)}"
 
     def rendezvous(self) -> tuple[int, str, str]:
         """(nodes, HOST:PORT, run id) of this job, the same on every node."""
@@ -60,7 +65,7 @@ class NodeAgent:
         env = JobEnvironment()
         host = env.hostnames[0] if env.cluster == "slurm" else "127.0.0.1"
         port = self.port or rendezvous_port(env.job_id)
-        return env.num_tasks, f"{host}:{port}", f"fastpar-{env.job_id}"
+        return env.num_tasks, f"{host}:{port}", self.run_id
 
     def __call__(self) -> dict[int, Any]:
         nodes, endpoint, run_id = self.rendezvous()

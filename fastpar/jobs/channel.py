@@ -24,9 +24,15 @@ TRAINER_METRICS_SINK_ENV = "FASTPAR_METRICS_SINK"
 
 
 def enter_job(folder: str | Path) -> None:
-    """Make this process (and what it starts) a job's: outputs and progress go to ``folder``."""
+    """Make this process (and what it starts) a job's: outputs and progress go to ``folder``. The progress
+    file is created here, private (0600), so that whoever appends to it later keeps it so."""
     os.environ[JOB_DIR_ENV] = str(folder)
     os.environ[TRAINER_METRICS_SINK_ENV] = str(Path(folder) / PROGRESS_FILE)
+    try:
+        fd = os.open(Path(folder) / PROGRESS_FILE, os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError:  # a folder we may not write: publishing will say so
+        return
+    os.close(fd)
 
 
 def job_dir() -> Path | None:

@@ -8,6 +8,9 @@
 
 ID is a job's id or its folder (a sweep trial's folder works too). ``--dir`` or ``FASTPAR_JOBS_DIR``
 picks the jobs folder (default ``~/.fastpar/jobs``).
+
+Only ``result`` unpickles what a job left (its return value or exception): ``list``, ``status``, ``logs``
+and ``cancel`` read file names, JSON and text.
 """
 
 from __future__ import annotations
@@ -139,7 +142,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "cancel":
         state = future.state()
         if state in ("COMPLETED", "FAILED", "CANCELLED"):
-            print(f"job {record.id} had already ended ({state}); nothing to cancel")
+            why = future.not_running_reason()
+            print(f"job {record.id} had already ended ({state}); nothing to cancel" + (f": {why}" if why else ""))
             return 0
         future.cancel()
         print(f"job {record.id} cancelled; its processes were stopped")
@@ -180,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     try:
-        from .store import JobNotFoundError
+        from ..safe_files import ForeignFolderError
+        from .proctree import JobProcessesError
+        from .store import BadJobIdError, JobNotFoundError
 
         if args.command == "list":
             return _list(args)
@@ -189,5 +195,5 @@ def main(argv: list[str] | None = None) -> int:
         if "pip install" not in str(exc):
             raise
         raise UserError(str(exc)) from exc  # submitit missing: the message names the extra to install
-    except JobNotFoundError as exc:
+    except (JobNotFoundError, BadJobIdError, JobProcessesError, ForeignFolderError) as exc:
         raise UserError(f"{args.command}: {exc}") from exc

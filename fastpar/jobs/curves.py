@@ -1,14 +1,16 @@
 """One PNG with every trial's validation curve (or training loss, when a trial validates nothing), so a
-sweep's trials are compared at a glance. Drawn with matplotlib's Agg backend and replaced atomically."""
+sweep's trials are compared at a glance. Drawn with matplotlib's Agg backend and replaced atomically
+(through a fresh temporary file, mode 0600 like every job file)."""
 
 from __future__ import annotations
 
-import os
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .._optional import require
+from .private_files import write_private
 
 
 def curve_key(histories: Sequence[Sequence[dict[str, Any]]], metric: str | None) -> str | None:
@@ -50,7 +52,7 @@ def plot_trials(
     title = f"{key} of every trial" + (f" (best: {labels[best]})" if best is not None else "")
     ax.set_title(title, fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    write_private(path, buffer.getvalue())  # a fresh temporary name, never a link someone planted
     return path

@@ -6,18 +6,26 @@ One watcher thread per process polls the unfinished futures (every ``POLL_S``) a
 its job ends: with the function's return value, or its exception (the original type, when it could be
 pickled, with the job's traceback attached as a note). A future made by ``load(job_id)`` in a fresh
 process watches a job some other process submitted.
+
+Only ``result()``/``exception()`` unpickle the job's files (a pickle runs code when read: read your own
+jobs' only). ``state()`` — and so ``fastpar jobs list``/``status`` — tells a finished job from a failed one
+by reading the tag submitit writes first in a result pickle ("success" or "error") with ``pickletools``,
+which decodes opcodes without executing any.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import pickletools
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from . import channel, proctree, slurm
 from .executor import submitit
+from .private_files import write_private
 from .store import JobRecord, find_job, jobs_root
 from .task import exception_path
 
@@ -72,13 +80,24 @@ class JobFuture(concurrent.futures.Future):
         return f"<JobFuture {self.id} {self.name!r} {self.record.cluster} {self.state()}>"
 
     # --- how it is going ------------------------------------------------------------------------
+    def _result_path(self, task: int) -> Path:
+        return submitit.core.utils.JobPaths(self.folder, self.record.cluster_job_id, task).result_pickle
+
     def _outcome(self, task: int) -> tuple[str, Any] | None:
+        """Task ``task``'s (tag, value), unpickled: for the result only, never for a state."""
         if task not in self._outcomes:
-            path = submitit.core.utils.JobPaths(self.folder, self.record.cluster_job_id, task).result_pickle
+            path = self._result_path(task)
             if not path.exists():
                 return None
             self._outcomes[task] = submitit.core.utils.pickle_load(path)
         return self._outcomes[task]
+
+    def _outcome_tag(self, task: int) -> str | None:
+        """The tag of task ``task``'s result ("success", "error" or "unreadable"), read without unpickling it;
+        None while there is no result."""
+        if task in self._outcomes:
+            return self._outcomes[task][0]
+        return result_tag(self._result_path(task))
 
     def _alive(self) -> str:
         """PENDING, RUNNING or FAILED (gone without a result) from the cluster's point of view."""
@@ -87,18 +106,32 @@ class JobFuture(concurrent.futures.Future):
         local = self._job.state  # also reaps our own child controller once it has exited
         if local == "RUNNING":
             return "RUNNING"
-        if local.startswith("NO PROCESS") and proctree.is_running(
-            int(self.record.cluster_job_id), self.record.controller_start_ticks
-        ):
+        if local.startswith("NO PROCESS") and self._controller_mismatch() is None:
             return "RUNNING"  # started by another process
         return "FAILED"
 
+    def _controller_mismatch(self) -> str | None:
+        """Why the process job.json names is not this local job's running controller; None when it is."""
+        try:
+            pid = int(self.record.cluster_job_id)
+        except ValueError:
+            return f"job.json names no controller process ({self.record.cluster_job_id!r})"
+        return proctree.controller_mismatch(pid, self.record.controller_start_ticks, self.record.process_marker)
+
+    def not_running_reason(self) -> str | None:
+        """For a local job whose recorded controller pid is in use by a process that is not the job's: why
+        (nothing of it is signalled); None otherwise."""
+        if self.record.cluster != "local":
+            return None
+        why = self._controller_mismatch()
+        return None if why is None or why.endswith("is not running") else f"{why}; nothing was signalled"
+
     def _finished_state(self) -> str | None:
         """FAILED when a task raised, COMPLETED when every task returned, None while results are missing."""
-        outcomes = [self._outcome(t) for t in range(self.record.num_tasks)]
-        if any(o is not None and o[0] == "error" for o in outcomes):
+        tags = [self._outcome_tag(t) for t in range(self.record.num_tasks)]
+        if any(tag is not None and tag != "success" for tag in tags):
             return "FAILED"
-        return "COMPLETED" if all(o is not None for o in outcomes) else None
+        return "COMPLETED" if all(tag is not None for tag in tags) else None
 
     def state(self) -> str:
         """PENDING, RUNNING, COMPLETED, FAILED or CANCELLED."""
@@ -141,14 +174,20 @@ class JobFuture(concurrent.futures.Future):
         """Stop the job and every process it started; True unless it had already finished."""
         if self.done():
             return False
-        (self.folder / CANCELLED_MARKER).write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
-        self._stop()
+        # the marker first: a watcher seeing the job's processes gone must not take it for a failure
+        marker = self.folder / CANCELLED_MARKER
+        write_private(marker, time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+        try:
+            self._stop()
+        except BaseException:  # nothing was stopped (or all was resumed): the job runs on
+            marker.unlink(missing_ok=True)
+            raise
         return super().cancel()
 
     def _stop(self) -> None:
         if self.record.cluster == "slurm":
             self._job.cancel(check=False)  # scancel: Slurm ends every step of the job
-        else:
+        elif self.record.cluster == "local":
             proctree.kill_job(
                 int(self.record.cluster_job_id), self.record.controller_start_ticks, marker=self.record.process_marker
             )
@@ -165,7 +204,10 @@ class JobFuture(concurrent.futures.Future):
             super().cancel()
             return True
         if state == "FAILED" and self.record.num_tasks > 1:
-            self._stop()  # the other nodes would wait for the failed one until their timeouts
+            try:
+                self._stop()  # the other nodes would wait for the failed one until their timeouts
+            except proctree.JobProcessesError as exc:  # the job's failure is the news; this is a warning beside it
+                warnings.warn(f"job {self.id} failed, and its other tasks could not be stopped: {exc}", stacklevel=2)
         try:
             value, error = self._value(), None
         except BaseException as exc:  # noqa: BLE001 - any error of the job becomes the future's
@@ -185,6 +227,8 @@ class JobFuture(concurrent.futures.Future):
                 stdout, stderr = self.log_paths(task)
                 tail = stderr.read_text(errors="replace")[-2000:] if stderr.exists() else ""
                 said = slurm.job_reason(self.record.cluster_job_id) if self.record.cluster == "slurm" else ""
+                if "JobState TIMEOUT" in said:  # Slurm killed it before submitit's handler could write a result
+                    raise self._over_time_limit(f"Slurm said: {said}. Logs: {stdout} and {stderr}")
                 raise JobFailedError(
                     f"job {self.id} ({self.name}) task {task} ended without a result (killed, out of memory, or "
                     f"stopped by the cluster{': ' + said if said else ''}). Logs: {stdout} and {stderr}; their "
@@ -197,13 +241,16 @@ class JobFuture(concurrent.futures.Future):
             return next(v[0] for v in values if isinstance(v, dict) and 0 in v)
         return values[0]
 
+    def _over_time_limit(self, where: str) -> JobFailedError:
+        limit = self.record.resources.get("timeout_min")
+        return JobFailedError(
+            f"job {self.id} ({self.name}) exceeded its time limit ({limit} min) and was stopped; ask for more "
+            f"with resources={{'timeout_min': ...}}. {where}"
+        )
+
     def _failure(self, task: int, trace: str) -> BaseException:
         if "timed-out and not checkpointable" in trace:  # submitit's handler of Slurm's warning signal
-            limit = self.record.resources.get("timeout_min")
-            return JobFailedError(
-                f"job {self.id} ({self.name}) exceeded its time limit ({limit} min) and was stopped; ask for more "
-                f"with resources={{'timeout_min': ...}}. Logs in {self.folder}"
-            )
+            return self._over_time_limit(f"Logs in {self.folder}")
         note = (
             f"job {self.id} ({self.name}) failed in task {task}; logs in {self.folder}. Traceback in the job:\n{trace}"
         )
@@ -257,6 +304,27 @@ class _Watcher:
 
 
 _WATCHER = _Watcher()
+
+
+def result_tag(path: Path) -> str | None:
+    """The tag submitit pickles first in a result file, ``("success", value)`` or ``("error", traceback)``,
+    read by decoding opcodes up to the first string (nothing is executed: no class is looked up, no
+    ``__reduce__`` is called); "unreadable" for a file that doesn't start that way; None when there is none."""
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with fh:
+        try:
+            for opcode, arg, _ in pickletools.genops(fh):
+                if opcode.name in ("PROTO", "FRAME", "MARK"):
+                    continue
+                if isinstance(arg, str) and "UNICODE" in opcode.name:
+                    return arg if arg in ("success", "error") else "unreadable"
+                return "unreadable"
+        except (ValueError, EOFError, OSError):
+            pass
+    return "unreadable"
 
 
 def load(job: str | Path, root: str | Path | None = None) -> JobFuture:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .._optional import available
+from .private_files import write_private
 
 QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "QUEUED", "RUNNING", "COMPLETED", "FAILED", "CANCELLED"
 # metrics a Trainer logs, in the order a sweep looks for one to rank by
@@ -143,5 +144,5 @@ class SweepResult:
 
     def save(self) -> Path:
         path = self.folder / "results.jsonl"
-        path.write_text("".join(json.dumps(r, default=repr) + "\n" for r in self.records))
+        write_private(path, "".join(json.dumps(r, default=repr) + "\n" for r in self.records))
         return path

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import warnings
@@ -114,6 +115,58 @@ def job_reason(job_id: str) -> str:
         return ""
     fields = dict(f.partition("=")[::2] for f in done.stdout.split() if "=" in f)
     return ", ".join(f"{k} {fields[k]}" for k in ("JobState", "Reason", "TimeLimit", "RunTime") if k in fields)
+
+
+def task_cpus() -> tuple[int, ...] | None:
+    """The CPUs Slurm allocated to this task on this node, or None outside a Slurm job step (or when the
+    controller does not say). Where the cluster binds tasks (``TaskPlugin=task/affinity`` or ``task/cgroup``)
+    this is the task's affinity already; where it does not (``task/none``, Debian's default), every task may run
+    on every core, so fastpar pins a trial to these itself and trials on one node stay on their own cores.
+
+    Read from the job's allocation (``scontrol show job -d``: ``CPU_IDs`` per node), this task's share of it
+    (``SLURM_LOCALID`` x ``SLURM_CPUS_PER_TASK``), kept to the CPUs this process may use. Slurm numbers CPUs in
+    its own (socket, core, thread) order, equal to the kernel's on nodes without SMT; where they differ the
+    trials still get disjoint CPUs, though not always whole cores."""
+    job_id, node = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURMD_NODENAME")
+    if not job_id or not node or not hasattr(os, "sched_getaffinity"):
+        return None
+    done = _run(["scontrol", "show", "job", "-d", job_id], QUERY_TIMEOUT_S)
+    allocated = None if done is None or done.returncode != 0 else node_cpu_ids(done.stdout, node)
+    if not allocated:
+        return None
+    per_task = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
+    local_id = int(os.environ.get("SLURM_LOCALID", "0") or 0)
+    if per_task > 0 and len(allocated) >= (local_id + 1) * per_task:
+        allocated = allocated[local_id * per_task : (local_id + 1) * per_task]
+    usable = os.sched_getaffinity(0)
+    mine = tuple(cpu for cpu in allocated if cpu in usable)
+    return mine or None
+
+
+def node_cpu_ids(show_job: str, node: str) -> list[int]:
+    """The ``CPU_IDs`` that ``scontrol show job -d`` lists for ``node`` (its ``Nodes=`` may be a host list like
+    ``n[1-3,5]``), sorted; empty when the node is not listed."""
+    from ..topology.model import parse_cpu_list
+
+    for match in re.finditer(r"\bNodes=(\S+)\s+CPU_IDs=([\d,\-]+)", show_job):
+        if node in _host_names(match.group(1)):
+            return sorted(parse_cpu_list(match.group(2)))
+    return []
+
+
+def _host_names(host_list: str) -> list[str]:
+    """``"n[1-3,5],login"`` -> ``["n1", "n2", "n3", "n5", "login"]`` (Slurm's host list notation, zero padding
+    kept)."""
+    names = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", host_list):
+        if plain:
+            names.append(plain)
+            continue
+        for part in ranges.split(","):
+            first, _, last = part.partition("-")
+            width = len(first)
+            names += [f"{prefix}{i:0{width}d}" for i in range(int(first), int(last or first) + 1)]
+    return names
 
 
 def fill_slurm_defaults(params: dict[str, Any]) -> None:

@@ -3,7 +3,8 @@
 name under the jobs root) or by its folder's path, from any process, after the submitting one has exited.
 
 The jobs root is ``FASTPAR_JOBS_DIR`` or ``~/.fastpar/jobs``; on a cluster it must be on a file system
-the compute nodes share (home directories usually are).
+the compute nodes share (home directories usually are). The root and every job folder are private to their
+owner (0700, files 0600): a job folder holds pickles, and only ``result()`` unpickles them.
 """
 
 from __future__ import annotations
@@ -12,16 +13,27 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import secrets
 from pathlib import Path
 from typing import Any
+
+from .private_files import check_owned, private_folder, write_private
 
 ROOT_ENV = "FASTPAR_JOBS_DIR"
 RECORD_FILE = "job.json"
 
 
+# A job's id names a folder directly under the jobs root: no separators, no "..", nothing hidden.
+JOB_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+
+
 class JobNotFoundError(LookupError):
     """No job with that id (or folder) exists; the message says where it looked."""
+
+
+class BadJobIdError(ValueError):
+    """A job id that is not one (a path, ``..``, odd characters); the message says what one looks like."""
 
 
 @dataclasses.dataclass
@@ -42,13 +54,14 @@ class JobRecord:
     slot: dict[str, Any] | None = None  # a local sweep trial's slot: index, cpus, gpus
 
     def save(self) -> None:
-        path = Path(self.folder) / RECORD_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1, default=repr))
-        os.replace(tmp, path)
+        write_private(Path(self.folder) / RECORD_FILE, json.dumps(dataclasses.asdict(self), indent=1, default=repr))
 
     @classmethod
     def load(cls, folder: str | Path) -> JobRecord:
+        """The record in ``folder``; ForeignFolderError when the folder or its record belongs to another user
+        (what such a folder holds was not written by this user's jobs)."""
+        check_owned(Path(folder))
+        check_owned(Path(folder) / RECORD_FILE)
         data = json.loads((Path(folder) / RECORD_FILE).read_text())
         known = {f.name for f in dataclasses.fields(cls)}
         record = cls(**{k: v for k, v in data.items() if k in known})
@@ -63,13 +76,13 @@ def jobs_root(root: str | Path | None = None) -> Path:
 
 
 def new_job_folder(root: Path) -> tuple[str, Path]:
-    """A fresh, empty folder under ``root`` and its id (8 hex digits)."""
-    root.mkdir(parents=True, exist_ok=True)
+    """A fresh, empty folder (0700) under ``root`` (made private too) and its id (8 hex digits)."""
+    private_folder(root)
     while True:
         job_id = secrets.token_hex(4)
         folder = root / job_id
         try:
-            folder.mkdir()
+            folder.mkdir(mode=0o700)
         except FileExistsError:
             continue
         return job_id, folder
@@ -79,16 +92,32 @@ def now_iso() -> str:
     return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+def check_job_id(job_id: str) -> str:
+    """``job_id`` when it is a job id (letters, digits, ``-`` and ``_``; no path); BadJobIdError otherwise."""
+    if not JOB_ID_PATTERN.fullmatch(job_id):
+        raise BadJobIdError(
+            f"{job_id!r} is not a job id: ids are letters, digits, '-' and '_' (like 3f9a01c2, as 'fastpar jobs "
+            "list' shows them); to name a job by its folder, give the folder's path"
+        )
+    return job_id
+
+
 def find_job(job: str | Path, root: str | Path | None = None) -> Path:
-    """The folder of job ``job`` (an id under the jobs root, or a job folder's path)."""
+    """The folder of job ``job``: an id under the jobs root, or a job folder's path (a ``Path``, or text with
+    a separator in it). A path must not climb with ``..``: BadJobIdError."""
     text = str(job)
-    candidates = [Path(text).expanduser()] if os.sep in text or Path(text).is_dir() else []
-    candidates.append(jobs_root(root) / text)
-    for folder in candidates:
-        if (folder / RECORD_FILE).is_file():
-            return folder.resolve()
+    if isinstance(job, Path) or os.sep in text or (os.altsep and os.altsep in text):
+        if ".." in Path(text).parts:
+            raise BadJobIdError(
+                f"{text!r}: a job folder's path must not contain '..'; give the folder's full path or the job's id"
+            )
+        folder = Path(text).expanduser()
+    else:
+        folder = jobs_root(root) / check_job_id(text)
+    if (folder / RECORD_FILE).is_file():
+        return folder.resolve()
     raise JobNotFoundError(
-        f"no fastpar job {text!r} under {jobs_root(root)} (looked for {candidates[-1] / RECORD_FILE}); "
+        f"no fastpar job {text!r} under {jobs_root(root)} (looked for {folder / RECORD_FILE}); "
         f"'fastpar jobs list' shows the jobs there, --dir / {ROOT_ENV} picks another jobs folder"
     )
 

@@ -13,6 +13,7 @@ from typing import Any
 from . import proctree
 from .executor import check_resources, fill_local_gpus, make_executor, resolve_cluster, submitit
 from .future import JobFuture
+from .private_files import private_folder, private_umask
 from .store import JobRecord, jobs_root, new_job_folder, now_iso
 from .task import JobCall, pack_call
 
@@ -49,11 +50,15 @@ def start_job(
     if folder is None:
         job_id, folder = new_job_folder(jobs_root(root))
     else:
-        folder.mkdir(parents=True, exist_ok=True)
+        private_folder(folder)
         job_id = folder.name
     executor = make_executor(folder, cluster, {**params, "name": params.get("name", name)})
+    # The job's files (the pickled call, logs, results) are private: submitit writes them under this umask,
+    # which the job's controller inherits (Slurm passes it on to the batch job); the user's function runs
+    # with the umask the user had (JobCall restores it around the call).
     try:
-        job = executor.submit(JobCall(payload, folder.resolve(), slot, threads_from_cores))
+        with private_umask() as user_umask:
+            job = executor.submit(JobCall(payload, folder.resolve(), slot, threads_from_cores, user_umask))
     except submitit.core.utils.FailedJobError as exc:  # sbatch said no: its reason, in one line
         reason = " ".join(str(exc).split()) or "no reason given"
         raise JobSubmitError(

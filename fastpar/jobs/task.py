@@ -15,6 +15,7 @@ from typing import Any
 
 from .._pickling import Unpicklable, dumps_naming_culprit
 from .channel import enter_job
+from .private_files import write_private
 
 
 class UnpicklableError(TypeError):
@@ -55,11 +56,21 @@ def exception_path(folder: str | Path, task: int) -> Path:
 class JobCall:
     """The callable submitit runs in the job: restore the import path, enter the slot, call, keep the error."""
 
-    def __init__(self, payload: bytes, folder: str | Path, slot: Any = None, threads_from_cores: bool = False) -> None:
-        """``threads_from_cores``: a trial placed by a cluster (no slot): torch and OpenMP get as many threads
-        as the cores the cluster bound the job to."""
+    def __init__(
+        self,
+        payload: bytes,
+        folder: str | Path,
+        slot: Any = None,
+        threads_from_cores: bool = False,
+        user_umask: int | None = None,
+    ) -> None:
+        """``threads_from_cores``: a trial placed by a cluster (no slot) runs on the cores the cluster allocated
+        to it (pinned by fastpar on a Slurm that does not bind), and torch and OpenMP get as many threads.
+        ``user_umask``: the submitter's umask, in force while the function runs (the job's own files are written
+        under a private one)."""
         self.payload, self.folder, self.slot = payload, str(folder), slot
         self.threads_from_cores = threads_from_cores
+        self.user_umask = user_umask
         self.sys_path = [p for p in sys.path if p]  # "" (the current folder) is the job's own cwd
 
     def __call__(self) -> Any:
@@ -71,14 +82,21 @@ class JobCall:
             self.slot.enter()
         elif getattr(self, "threads_from_cores", False) and hasattr(os, "sched_getaffinity"):
             from .slots import Slot
+            from .slurm import task_cpus
 
-            Slot(0, tuple(sorted(os.sched_getaffinity(0)))).enter()
+            # on Slurm, the CPUs it allocated to this task even where the cluster does not bind (task/none)
+            Slot(0, task_cpus() or tuple(sorted(os.sched_getaffinity(0)))).enter()
         fn, args = cloudpickle.loads(self.payload)
+        user_umask = getattr(self, "user_umask", None)
+        job_umask = os.umask(user_umask) if user_umask is not None else None
         try:
             return fn(*args)
         except Exception as exc:
             self._keep(exc)
             raise
+        finally:
+            if job_umask is not None:  # submitit writes the result next: private again
+                os.umask(job_umask)
 
     def _keep(self, exc: Exception) -> None:
         """Pickle the exception itself next to submitit's traceback text, so ``result()`` re-raises its type."""
@@ -86,6 +104,6 @@ class JobCall:
 
         task = int(os.environ.get("SUBMITIT_LOCAL_GLOBALID", os.environ.get("SLURM_PROCID", "0")))
         try:
-            exception_path(self.folder, task).write_bytes(cloudpickle.dumps(exc))
+            write_private(exception_path(self.folder, task), cloudpickle.dumps(exc))
         except Exception:  # an exception that can't be pickled: the traceback text is still kept by submitit
             pass

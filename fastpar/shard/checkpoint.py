@@ -3,8 +3,13 @@ rank at once, each its own pieces, and readable by any number of ranks with any 
 
 A checkpoint is a folder ``ckpt-<step>/``: DCP's files (``.metadata`` + one ``.distcp`` per rank) and
 ``trainer.pt`` (rank 0's small record: step, schedule, every rank's RNG and data position). Every rank writes
-into a hidden temporary folder; after a barrier rank 0 adds ``trainer.pt``, fsyncs and renames the folder,
-so a crash leaves either the old set of checkpoints or the complete new one.
+into a hidden temporary folder (a fresh name rank 0 makes and shares); after a barrier rank 0 adds
+``trainer.pt``, gives every file the checkpoint's mode (0600 unless asked otherwise), fsyncs and renames the
+folder, so a crash leaves either the old set of checkpoints or the complete new one.
+
+Reading goes through :class:`~fastpar.shard.checkpoint_reader.CheckpointReader`: a folder's ``.metadata`` and
+its non-tensor entries are loaded as plain data, never as code (a planted folder raises
+:class:`UntrustedCheckpointError`).
 
 What goes in is a nested dict of tensors whose *global* shape and offsets are known: FSDP2's DTensors, plain
 (replicated) tensors, which DCP writes once, and -- for state sharded by hand, like ZeRO's flat bucket
@@ -20,6 +25,7 @@ import contextlib
 import os
 import re
 import shutil
+import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,9 +39,13 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..safe_files import atomic_file, folder_mode_for, fsync_folder, open_new
+from .checkpoint_reader import CheckpointReader, UntrustedCheckpointError, reading
+
 __all__ = [
     "SHARDED_FORMAT",
     "IncompatibleCheckpointError",
+    "UntrustedCheckpointError",
     "check_compatible",
     "consolidated_state",
     "export_consolidated",
@@ -125,59 +135,62 @@ def save_sharded(
     record: dict[str, Any] | None,
     keep: int,
     group: dist.ProcessGroup | None = None,
+    mode: int = 0o600,
 ) -> list[str] | None:
     """Collective: write ``state`` as ``directory/ckpt-<step>/``, rank 0 adding ``record`` (``trainer.pt``)
-    and keeping the newest ``keep`` checkpoints (files or folders). Returns the kept paths on rank 0."""
+    and keeping the newest ``keep`` checkpoints (files or folders). Files get ``mode``, the folder the matching
+    folder mode (0600 -> 0700, 0640 -> 0750). Returns the kept paths on rank 0."""
     directory = Path(directory)
     final = directory / f"ckpt-{step:09d}"
-    tmp = directory / f".ckpt-{step:09d}.tmp"
     rank = dist.get_rank(group)
+    # a fresh, private folder: a name fixed in advance could already be someone's symlink to elsewhere
+    made: list[str | None] = [None]
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed writer's leftovers
-        tmp.mkdir(parents=True)
-    dist.barrier(group)
+        directory.mkdir(parents=True, exist_ok=True)
+        made[0] = tempfile.mkdtemp(prefix=f".ckpt-{step:09d}.", suffix=".tmp", dir=directory)
+    dist.broadcast_object_list(made, group_src=0, group=group)
+    tmp = Path(made[0])
     with _sharded_tensors_allowed():
         dcp.save(state, checkpoint_id=str(tmp), process_group=group)
     dist.barrier(group)  # every rank's pieces are on disk
     kept = None
     if rank == 0:
         if record is not None:
-            _write_synced(tmp / TRAINER_RECORD, record)
-        _fsync(tmp)
-        if final.exists():  # the same step saved again (a resumed run re-saving): replace it whole
+            _write_synced(tmp / TRAINER_RECORD, record, mode)
+        for piece in tmp.iterdir():  # DCP created its files with the umask's mode, inside the private folder
+            os.chmod(piece, mode)
+        os.chmod(tmp, folder_mode_for(mode))
+        fsync_folder(tmp)
+        if final.is_symlink():  # not a folder fastpar made: the link goes, never what it points at
+            final.unlink()
+        elif final.exists():  # the same step saved again (a resumed run re-saving): replace it whole
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync(directory)
+        fsync_folder(directory)
         kept = _prune(directory, keep)
     dist.barrier(group)  # nobody reads or prunes while rank 0 is renaming
     return kept
 
 
-def _write_synced(path: Path, obj: Any) -> None:
-    with open(path, "wb") as fh:
+def _write_synced(path: Path, obj: Any, mode: int) -> None:
+    """A new file at ``path`` (in a folder only this user writes), never opened through an existing name."""
+    with os.fdopen(open_new(path, mode), "wb") as fh:
         torch.save(obj, fh)
         fh.flush()
         os.fsync(fh.fileno())
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _prune(directory: Path, keep: int) -> list[str]:
     found = sorted((int(p.name[5:14]), p) for p in directory.iterdir() if p.name.startswith("ckpt-"))
     for _, old in found[:-keep]:
-        shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+        shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink(missing_ok=True)
     return [str(p) for _, p in found[-keep:]]
 
 
 # --- reading -----------------------------------------------------------------------------------------
 def read_metadata(path: str | Path) -> Metadata:
-    return dcp.FileSystemReader(str(path)).read_metadata()
+    """DCP's metadata of a checkpoint folder, read as plain data (UntrustedCheckpointError for anything else)."""
+    return CheckpointReader(str(path)).read_metadata()
 
 
 def read_trainer_record(path: str | Path) -> dict[str, Any]:
@@ -239,7 +252,8 @@ def model_shapes_in(path: str | Path) -> dict[str, torch.Size]:
 def load_sharded(state: dict[str, Any], path: str | Path, group: dist.ProcessGroup | None = None) -> None:
     """Collective: fill ``state`` (the same nesting as saved; this rank's pieces) in place from ``path``."""
     with _sharded_tensors_allowed():
-        dcp.load(state, checkpoint_id=str(path), process_group=group)
+        with reading(path) as reader:
+            dcp.load(state, storage_reader=reader, process_group=group)
 
 
 # --- one file for inference --------------------------------------------------------------------------
@@ -250,19 +264,16 @@ def consolidated_state(checkpoint_dir: str | Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=dcp.FileSystemReader(str(checkpoint_dir)),
-        planner=_EmptyStateDictLoadPlanner(),
-        no_dist=True,
-    )
+    with reading(checkpoint_dir) as reader:
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     return state
 
 
-def export_consolidated(checkpoint_dir: str | Path, out_file: str | Path) -> Path:
+def export_consolidated(checkpoint_dir: str | Path, out_file: str | Path, mode: int = 0o600) -> Path:
     """Write the model of a checkpoint folder (any strategy, any world size) as one ``model.state_dict()``-shaped
     file: ``model.load_state_dict(torch.load(out_file))`` on the plain, unsharded model. Runs in one process
-    and needs the memory of the model's weights (not of the optimizer state)."""
+    and needs the memory of the model's weights (not of the optimizer state). ``mode``: the file's (0600:
+    only this user reads it)."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
@@ -272,21 +283,15 @@ def export_consolidated(checkpoint_dir: str | Path, out_file: str | Path) -> Pat
             f"{checkpoint_dir} is not a sharded checkpoint (no .metadata); pass a ckpt-<step> folder written by "
             "fastpar.Trainer with a sharded strategy"
         )
-    model_keys = [k for k, path in read_metadata(checkpoint_dir).planner_data.items() if path[0] == "model"]
     state: dict[str, Any] = {}
-    _load_state_dict(
-        state,
-        storage_reader=dcp.FileSystemReader(str(checkpoint_dir)),
-        planner=_EmptyStateDictLoadPlanner(keys=set(model_keys)),
-        no_dist=True,
-    )
+    with reading(checkpoint_dir) as reader:
+        model_keys = {k for k, path in reader.read_metadata().planner_data.items() if path[0] == "model"}
+        _load_state_dict(
+            state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=model_keys), no_dist=True
+        )
     model = state["model"]
     out_file = Path(out_file)
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_file.with_name(f".{out_file.name}.tmp-{os.getpid()}")
-    try:
-        _write_synced(tmp, dict(model))
-        os.replace(tmp, out_file)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(out_file, mode) as fh:
+        torch.save(dict(model), fh)
     return out_file

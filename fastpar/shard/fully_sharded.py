@@ -91,7 +91,7 @@ def fully_shard_model(
         device = _resolve_device(device, None, group)
         policy = precision_policy(mixed_precision, device)  # checked before building anything
         torch.manual_seed(seed)
-        model = build_on_meta(model_or_builder)
+        model, record = build_on_meta(model_or_builder, init_fn)  # init_fn is recorded with the construction
     else:
         model = model_or_builder
         if any(t.is_meta for t in model.parameters()):
@@ -125,7 +125,7 @@ def fully_shard_model(
         for unit in [*inner, model]:
             unit.set_custom_reduce_scatter(AllReduceThenSlice())
     if on_meta:
-        materialize_shards(model, device, init_fn=init_fn, group=group)
+        materialize_shards(model, record, device, group=group)
     if prefetch:
         _set_prefetch(inner, prefetch)
     return model

@@ -5,50 +5,49 @@ The reference is what a user writes without sharding::
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = build()          # every layer's reset_parameters() draws from the global RNG
+        model = build()          # layers initialise as they are constructed, from the global RNG
     if init_fn is not None:
         model.apply(init_fn)     # post-order, as Module.apply goes
 
-Sharded, ``build()`` runs under ``torch.device("meta")`` (no memory), FSDP2 shards the meta parameters, and
-``to_empty`` gives each rank uninitialised storage for its shards only. Then the initialisation is replayed:
-
-1. every module that owns parameters or buffers directly and has ``reset_parameters()`` is visited in
-   post-order (the order in which torch's layers initialise while a model is constructed: a parent runs its
-   own ``reset_parameters`` after its children are built). Each of its parameters is swapped for a
-   full-size scratch tensor on the device, ``reset_parameters()`` fills them from the global RNG, exactly
-   as in the reference, and this rank keeps its rows; the scratch is dropped.
-2. with ``init_fn``, every module again in post-order: its parameters' full values are all-gathered
-   (``full_tensor()``, so an ``init_fn`` that overwrites only some of them keeps the rest), ``init_fn``
-   runs on them, and this rank keeps its rows.
+Sharded, ``build()`` (and ``model.apply(init_fn)``) runs under ``torch.device("meta")`` -- no memory -- while
+every torch call it makes is recorded (:mod:`.init_record`). FSDP2 shards the meta parameters, ``to_empty``
+gives each rank uninitialised storage for its shards only, and the record is replayed on the real device:
+the same calls in the same order, so each tensor gets the values and the global RNG the draws of the eager
+build -- whatever did the initialising: ``reset_parameters()`` in ``__init__``, modules constructed in
+another order than they are registered, a weight tied after construction (the replaced tensor is still
+drawn, then dropped), a Hugging Face model's ``post_init``, an ``init_fn`` that touches several modules.
+As each model tensor's last call is replayed, this rank keeps its rows and the full value is dropped: a
+rank holds its shards plus what the construction has in flight at once (typically one module's own
+parameters), never the model.
 
 Why replay rather than a per-parameter generator: the reference draws every tensor in full from the one
 global RNG, so a rank's rows of a tensor depend on every draw before it; only drawing the same full tensors
 in the same order reproduces them bit for bit. Every rank draws every tensor (the compute is repeated N
-times, once, at start), but holds at most **one module's own parameters in full** at a time, plus its
-shards: peak = model / N + the largest module's direct parameters (an embedding or a Linear), never the
-model. The global RNG ends in the reference's state, so dropout and data drawn afterwards match too.
+times, once, at start).
 
-What this needs from a model (else it is refused with the tensors named): every parameter and floating
-buffer is set by some module's ``reset_parameters()`` or by ``init_fn`` (``init_fn(module)`` sets the
-module's own tensors, as functions given to ``Module.apply`` do). A buffer computed in ``__init__`` (rotary
-tables) is not replayable: fill it in ``init_fn`` or pass the model built eagerly.
+Refused by name, on every rank, before anything is sharded or drawn: a parameter or buffer the construction
+did not make through torch (from NumPy, say); after the replay, a floating tensor no call wrote (made with
+``torch.empty`` and never filled).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from .init_record import ConstructionRecord, Unreplayable, named_model_tensors, record_construction
+
 InitFn = Callable[[nn.Module], None]
 
 
-def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
-    """``build()`` under ``torch.device("meta")``: the module tree with shapes and dtypes, no storage."""
-    with torch.device("meta"):
-        model = build()
+def build_on_meta(
+    build: Callable[[], nn.Module], init_fn: InitFn | None = None
+) -> tuple[nn.Module, ConstructionRecord]:
+    """``build()`` and ``model.apply(init_fn)`` under ``torch.device("meta")``, recorded: the module tree with
+    shapes and dtypes, no storage, and the calls that give it its values."""
+    model, record = record_construction(build, init_fn)
     if not isinstance(model, nn.Module):
         raise TypeError(f"the builder returned {type(model).__name__}, not a torch.nn.Module")
     real = [name for name, t in _named_tensors(model) if not t.is_meta]
@@ -57,7 +56,13 @@ def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
             f"the builder put {real[:3]} on a real device (an explicit device= inside it?): building on meta "
             f"would materialise them in full on every rank. Create tensors without a device argument"
         )
-    return model
+    if record.unmade:
+        raise ValueError(
+            f"building on the meta device cannot replay how {_listed(record.unmade)} got their values: no torch "
+            "call made them (created from NumPy or another library?). Make them with torch, fill them in "
+            "init_fn, or pass the model built eagerly (a module instead of a builder)"
+        )
+    return model, record
 
 
 def build_eager(
@@ -73,26 +78,36 @@ def build_eager(
 
 
 def materialize_shards(
-    model: nn.Module, device: torch.device, *, init_fn: InitFn | None = None, group: object = None
+    model: nn.Module, record: ConstructionRecord, device: torch.device, *, group: object = None
 ) -> None:
     """Give the meta parameters of a model already sharded by ``fully_shard`` storage on ``device`` for this
-    rank's shards only, and initialise them as the eager reference would (the caller seeded the global RNG
-    before building, as the reference does)."""
+    rank's shards only, and the values the eager reference would give them: ``record`` (from
+    :func:`build_on_meta`) replayed (the caller seeded the global RNG before building, as the reference does)."""
+    from torch.distributed.tensor import DTensor
+
     model.to_empty(device=device)
     _poison(model)
-    covered: set[int] = set()
-    modules = _post_order(model)
-    for _, module in modules:
-        if _owns_tensors(module) and callable(getattr(module, "reset_parameters", None)):
-            with _full_size_parameters(module, gather=False):
-                module.reset_parameters()
-            covered.update(id(t) for _, t in _own_tensors(module))
-    if init_fn is not None:
-        for _, module in modules:
-            with _full_size_parameters(module, gather=True):
-                init_fn(module)
-            covered.update(id(t) for _, t in _own_tensors(module))
-    _check_initialised(model, covered, init_fn is not None, group)
+    final = dict(named_model_tensors(model))
+
+    def keep(name: str, full: torch.Tensor) -> None:
+        t = final[name]
+        if isinstance(t, DTensor):
+            t.to_local().copy_(_rows_of_this_rank(full, t))
+        else:
+            t.copy_(full)
+
+    try:
+        kept = record.replay(device, keep)
+    except Unreplayable as exc:
+        raise ValueError(
+            f"building on the meta device cannot replay the model's construction: it used {exc}. Pass the model "
+            "built eagerly (a module instead of a builder)"
+        ) from exc
+    _check_initialised(model, kept, group)
+
+
+def _listed(names: list[str]) -> str:
+    return f"{names[:5]}{' ...' if len(names) > 5 else ''}"
 
 
 def device_of(model: nn.Module) -> torch.device:
@@ -103,24 +118,6 @@ def device_of(model: nn.Module) -> torch.device:
 def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from model.named_parameters()
     yield from model.named_buffers()
-
-
-def _post_order(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
-    out: list[tuple[str, nn.Module]] = []
-    for name, child in module.named_children():
-        out.extend(_post_order(child, f"{prefix}.{name}" if prefix else name))
-    out.append((prefix, module))
-    return out
-
-
-def _own_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    own = [(n, p) for n, p in module._parameters.items() if p is not None]
-    own += [(n, b) for n, b in module._buffers.items() if b is not None]
-    return own
-
-
-def _owns_tensors(module: nn.Module) -> bool:
-    return bool(_own_tensors(module))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -158,36 +155,11 @@ def _rows_of_this_rank(full: torch.Tensor, sharded: torch.Tensor) -> torch.Tenso
     return rows
 
 
-@contextmanager
-def _full_size_parameters(module: nn.Module, *, gather: bool) -> Iterator[None]:
-    """Swap ``module``'s own sharded parameters for full-size tensors for the duration, then keep this rank's
-    rows. ``gather``: start from the current full values (all-gathered); else uninitialised scratch."""
-    from torch.distributed.tensor import DTensor
-
-    swapped: dict[str, DTensor] = {}
-    for name, p in list(module._parameters.items()):
-        if isinstance(p, DTensor):
-            if gather:
-                full = p.full_tensor().detach().clone()  # collective: every rank visits modules in one order
-            else:
-                full = torch.full(p.shape, float("nan"), dtype=p.dtype, device=p.to_local().device)
-            module._parameters[name] = nn.Parameter(full, requires_grad=p.requires_grad)
-            swapped[name] = p
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, sharded in swapped.items():
-                full = module._parameters[name]  # reset_parameters may have assigned a new Parameter
-                sharded.to_local().copy_(_rows_of_this_rank(full.detach(), sharded))
-                module._parameters[name] = sharded
-
-
-def _check_initialised(model: nn.Module, covered: set[int], have_init_fn: bool, group: object) -> None:
+def _check_initialised(model: nn.Module, kept: set[str], group: object) -> None:
     missing = []
     for name, t in _named_tensors(model):
         local = _local(t)
-        not_set = id(t) not in covered
+        not_set = name not in kept
         if not not_set and (local.is_floating_point() or local.is_complex()):
             not_set = bool(torch.isnan(local).any())
         if not_set:
@@ -200,9 +172,9 @@ def _check_initialised(model: nn.Module, covered: set[int], have_init_fn: bool, 
     if flag.item() and not missing:
         missing = ["(tensors on another rank)"]
     if missing:
-        hint = "" if have_init_fn else " Pass init_fn=fn, called as model.apply(fn) would call it, to set them,"
         raise ValueError(
-            f"building on the meta device left {missing[:5]}{' ...' if len(missing) > 5 else ''} uninitialised: no "
-            f"reset_parameters() of their module{' or init_fn' if have_init_fn else ''} sets them.{hint} or pass "
-            f"the model built eagerly (a module instead of a builder)"
+            f"building on the meta device left {_listed(missing)} uninitialised: nothing in the model's "
+            "construction or init_fn writes them (made with torch.empty and never filled?). Fill them in "
+            "reset_parameters() or init_fn=fn (called as model.apply(fn) would call it), or pass the model built "
+            "eagerly (a module instead of a builder)"
         )

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .._optional import require
+from ..safe_files import FolderOwnedByAnotherUserError
 from ..user_errors import UserError
 from .checkpoint import check_writable
 from .options import ENVIRONMENTS, TrainingOptions
@@ -128,6 +129,8 @@ def _output_root(folder: Path | None) -> Path:
         return Path(tempfile.mkdtemp(prefix="fastpar-demo-"))
     try:
         return check_writable(folder, "--dir")
+    except FolderOwnedByAnotherUserError:
+        raise  # its own message says what to do
     except PermissionError as exc:
         cause = exc.__cause__
         why = getattr(cause, "strerror", None) or cause or exc

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import torch
 
 from ..comm import cpu_backend
 from ..host import TORCHRUN_VARS, under_torchrun, usable_cpu_count
+from ..launcher import network_notice
 from ..user_errors import UserError
 
 _MAX_DEFAULT_CPU_PROCESSES = 4
@@ -91,6 +93,9 @@ def _cluster_plan(threads: int | None) -> Plan:
             "`torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py` "
             "on every node, or use execution_environment='auto' on one machine."
         )
+    if os.environ["RANK"] == "0" and os.environ["MASTER_ADDR"] not in ("127.0.0.1", "localhost", "::1"):
+        endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        print(network_notice(endpoint, also="torchrun's rendezvous store"), file=sys.stderr, flush=True)
     cuda = gpu_count() > 0
     threads = threads or max(1, usable_cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"]))
     return Plan("cluster", 0, "nccl" if cuda else "gloo", "cuda" if cuda else "cpu", (), threads)

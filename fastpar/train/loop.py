@@ -23,6 +23,7 @@ from . import checkpoint as ckpt
 from . import resume
 from .data import batches_per_epoch, make_loader
 from .job import Job, build_model, build_optimizer, ddp_choice
+from .loggers import open_loggers
 from .planning import plan_sharding
 from .plot import write_progress_plot
 from .progress import MetricsLog, ProgressBar
@@ -85,6 +86,8 @@ class Run:
             example = self._example_batch()
         _seed_everything(opts.seed)  # identical initial weights on every rank
         self.strategy = build_strategy(job, name, rank, world_size, device, plan_options, example)
+        if opts.compile:
+            self.strategy.compile({} if opts.compile is True else dict(opts.compile))
         self.model, self.ddp_model = self.strategy.model, self.strategy.train_model
         self.optimizer = self.strategy.optimizer
         self.scheduler = opts.lr_scheduler(self.optimizer) if opts.lr_scheduler else None
@@ -104,7 +107,12 @@ class Run:
         self.total_steps = self.steps_per_epoch * opts.max_epochs
 
         self.autocast = contextlib.nullcontext
-        if opts.mixed_precision and (device.type == "cpu" or torch.cuda.is_bf16_supported()):
+        if opts.mixed_precision == "bf16":
+            if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+                raise RuntimeError(
+                    f"mixed_precision='bf16': {torch.cuda.get_device_name(device)} does not support bfloat16; train "
+                    "in full precision (mixed_precision=None)"
+                )
             self.autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
         self.step, self.epoch, self.batch_in_epoch, self.elapsed_before = 0, 0, 0, 0.0
@@ -117,6 +125,7 @@ class Run:
         self.output_dir = Path(opts.output_dir)
         if self.is_main:
             self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", self.step if resumed else None)
+            self.loggers = open_loggers(opts.loggers, self.output_dir, self.step if resumed else None, _params(opts))
             self.bar = None
             if opts.progress_bar and self.epoch < opts.max_epochs:  # nothing to train: no bar, no summary
                 self._print_summary()  # before the bar starts redrawing its line
@@ -219,6 +228,7 @@ class Run:
             train_loader=self.train_loader,
             rank=self.rank,
             world_size=self.world_size,
+            mode=self.opts.checkpoint_mode,
         )
         if kept is not None:
             self.checkpoints = kept
@@ -320,6 +330,8 @@ class Run:
         if record is not None:
             record.update(validation or {})
             self.metrics.append(record)
+            for logger in self.loggers:
+                logger.log(record)
             if self.bar is not None:
                 self.bar.update(record)
             self._refresh_plot(final=False)
@@ -465,6 +477,8 @@ class Run:
         self._call_output_fns(dict(last), "done")
         self._refresh_plot(final=True)
         self.metrics.close()
+        for logger in self.loggers:
+            logger.close()
         return {
             "model_state": state,
             "history": records,
@@ -473,9 +487,22 @@ class Run:
             "start_step": self.start_step,
             "start_elapsed": self.elapsed_before,
             "metrics_path": str(self.metrics.path),
+            "logger_paths": {name: str(lg.path) for name, lg in zip(self.opts.loggers, self.loggers, strict=True)},
             "plot_path": str(self.plot_path) if self.plot_path and self.plot_path.exists() else None,
             "checkpoints": self.checkpoints,
             "elapsed": self.elapsed(),
             "sharding": self.strategy.name,
             "model_state_bytes": self.model_state_bytes,
         }
+
+
+def _params(opts: Any) -> dict[str, Any]:
+    """The options a logger records as the run's parameters: the plain values (not data, callables or models)."""
+    import dataclasses
+
+    plain = (bool, int, float, str, type(None), torch.dtype)
+    return {
+        f.name: getattr(opts, f.name)
+        for f in dataclasses.fields(opts)
+        if isinstance(getattr(opts, f.name), plain) or f.name == "loggers"
+    }

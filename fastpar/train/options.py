@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..user_errors import OptionError
+from .loggers import LoggerError, check_loggers
 
 ENVIRONMENTS = ("auto", "cpu", "gpu", "multi-gpu", "cluster")
 DDP_CHOICES = ("auto", "torch", "fastpar")
@@ -18,6 +19,7 @@ PLOTS = (None, "none", "training-progress")
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp", "pipeline", "auto")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 FSDP_WRAPS = ("auto", "root")
+CHECKPOINT_MODES = (0o600, 0o640, 0o604, 0o644)  # the owner writes; others at most read, never write
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 
@@ -78,11 +80,16 @@ class TrainingOptions:
     pipeline_stages: int | None = None  # pipeline: stages (default: the plan's, else every process one stage)
     pipeline_schedule: str = "1f1b"  # pipeline: 1f1b | gpipe | interleaved-1f1b (torch.distributed.pipelining's)
     microbatches: int | None = None  # pipeline: micro-batches each batch is split into (default: 2 x stages)
-    fsdp_wrap: str | int = (
-        "auto"  # fsdp units: auto (the plan's) | blocks (repeated block classes) | size | none | min params
-    )
+    # fsdp units: "auto" (repeated block classes; the plan's) | "root" (the whole model, one unit) |
+    # a parameter count (modules at least that big) | block class names (such as ("TransformerBlock",))
+    fsdp_wrap: str | int | tuple[str, ...] = "auto"
     fsdp_reshard_after_forward: bool | None = None  # fsdp: free gathered parameters after forward (None: the plan's)
-    mixed_precision: bool = False  # bf16 autocast where the device supports it
+    # "bf16": autocast to bfloat16 (CPUs, and GPUs that support it: on one that doesn't, the run stops saying so);
+    # None: full precision. True is "bf16", False is None.
+    mixed_precision: str | bool | None = None
+    # torch.compile the model the step runs (fastpar's or torch's DDP, ZeRO, FSDP): True, or a dict of
+    # torch.compile's arguments ({"backend": "inductor", "mode": "max-autotune"}); not with pipeline stages
+    compile: bool | dict = False
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = (
         None  # factory(optimizer) -> scheduler, stepped per step
     )
@@ -102,15 +109,40 @@ class TrainingOptions:
     plots: str | None = None  # "training-progress": a PNG of loss/accuracy, refreshed while training
     output_fns: Sequence[Callable[[dict], Any]] = ()  # called on rank 0 with an info record; truthy stops training
     output_dir: str = "fastpar-output"  # metrics.jsonl and the progress plot go here
+    # where else rank 0 logs every logged step: "csv" (metrics.csv) | "tensorboard" | "mlflow" (local store) |
+    # "wandb" (offline), under output_dir; a logger whose package is missing is refused here (see loggers.py)
+    loggers: Sequence[str] = ()
 
     # checkpoints
     checkpoint_dir: str | None = None  # None: no checkpoints
     checkpoint_every: int = 0  # steps between checkpoints; 0: at the end of every epoch
     keep_checkpoints: int = 3
     resume: bool = False  # continue from the newest valid checkpoint in checkpoint_dir
+    # checkpoint files' mode: 0o600 only you read them; 0o640 your group too (a shared folder); 0o644 anyone. A
+    # checkpoint_dir the trainer creates gets the matching folder mode (0o700, 0o750, 0o755)
+    checkpoint_mode: int = 0o600
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def _check_compile(self) -> None:
+        if isinstance(self.compile, bool):
+            return
+        if not isinstance(self.compile, dict):
+            raise OptionError(
+                "compile",
+                f"TrainingOptions.compile must be True, False or a dict of torch.compile's arguments, got "
+                f"{self.compile!r}",
+            )
+        import inspect
+
+        accepted = set(inspect.signature(torch.compile).parameters) - {"model"}
+        unknown = sorted(set(self.compile) - accepted)
+        if unknown:
+            raise OptionError(
+                "compile",
+                f"TrainingOptions.compile: torch.compile takes no argument {unknown}; it takes {sorted(accepted)}",
+            )
 
     def validate(self) -> None:
         """Raise OptionError (a ValueError) naming the option and the accepted values when an option is out of range."""
@@ -140,6 +172,19 @@ class TrainingOptions:
             )
         if self.ddp not in DDP_CHOICES:
             raise OptionError("ddp", f"TrainingOptions.ddp must be one of {DDP_CHOICES}, got {self.ddp!r}")
+        try:
+            self.loggers = check_loggers(self.loggers)
+        except LoggerError as exc:
+            raise OptionError("loggers", str(exc)) from None
+        if self.mixed_precision is True or self.mixed_precision is False:
+            self.mixed_precision = "bf16" if self.mixed_precision else None
+        if self.mixed_precision not in (None, "bf16"):
+            raise OptionError(
+                "mixed_precision",
+                f"TrainingOptions.mixed_precision must be 'bf16' or None (True means 'bf16'), got "
+                f"{self.mixed_precision!r}",
+            )
+        self._check_compile()
         if self.plots not in PLOTS:
             raise OptionError("plots", f"TrainingOptions.plots must be 'training-progress' or None, got {self.plots!r}")
         if self.grad_dtype is not None and self.grad_dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -168,6 +213,13 @@ class TrainingOptions:
                 "or 'auto' (torch's DDP has its own ZeroRedundancyOptimizer, which the Trainer does not wire up)",
             )
         self._validate_sharding()
+        if isinstance(self.checkpoint_mode, bool) or self.checkpoint_mode not in CHECKPOINT_MODES:
+            shown = oct(self.checkpoint_mode) if isinstance(self.checkpoint_mode, int) else repr(self.checkpoint_mode)
+            raise OptionError(
+                "checkpoint_mode",
+                f"TrainingOptions.checkpoint_mode must be 0o600 (only you read the checkpoints), 0o640 (your group "
+                f"too: a shared folder) or 0o644 (anyone), got {shown}; nobody but you may write them",
+            )
         if self.resume and self.checkpoint_dir is None:
             raise OptionError("resume", "TrainingOptions.resume=True needs checkpoint_dir: the folder to resume from")
 

@@ -7,12 +7,12 @@ a viewer never sees a half-written file.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from .._optional import require
+from ..safe_files import atomic_file
 from .progress import format_duration
 
 
@@ -59,7 +59,6 @@ def write_progress_plot(records: Sequence[dict[str, Any]], path: Path, *, final:
             f"{last.get('samples_per_s', 0):.0f} samples/s"
         )
     fig.suptitle(title, fontsize=10)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, dpi=100)
-    os.replace(tmp, path)
+    with atomic_file(path, mode=None) as fh:  # a new random name renamed over the PNG: never through a link
+        fig.savefig(fh, format="png", dpi=100)
     return path

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .._optional import available
+from ..safe_files import create_exclusive
 
 
 def format_duration(seconds: float) -> str:
@@ -116,7 +117,8 @@ def _to_sink(record: dict[str, Any]) -> None:
     """Append ``record`` to the file ``FASTPAR_METRICS_SINK`` names, if any (one write: readers never see half)."""
     sink = os.environ.get(METRICS_SINK_ENV)
     if sink:
-        with open(sink, "a") as fh:
+        fd = os.open(sink, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)  # never through a link
+        with os.fdopen(fd, "a") as fh:
             fh.write(json.dumps(record, default=str) + "\n")
 
 
@@ -126,7 +128,7 @@ class MetricsLog:
     def __init__(self, path: Path, resume_at_step: int | None) -> None:
         self.path = path
         self.records: list[dict[str, Any]] = []
-        if resume_at_step is not None and path.is_file():
+        if resume_at_step is not None and path.is_file() and not path.is_symlink():
             # Keep what the resumed checkpoint had seen; later lines come from steps about to be redone.
             for line in path.read_text().splitlines():
                 try:
@@ -136,9 +138,18 @@ class MetricsLog:
                 if record.get("iteration", 0) <= resume_at_step:
                     self.records.append(record)
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as fh:
-            fh.writelines(json.dumps(r) + "\n" for r in self.records)
-        self._fh = open(path, "a")  # noqa: SIM115 - open for the whole run
+        # A new file under a random name, renamed over metrics.jsonl and kept open for the whole run: nothing
+        # is ever opened through the fixed name, where someone may have left a symlink to another file.
+        fd, tmp = create_exclusive(path.parent, f".{path.name}.tmp-", mode=0o666)  # the umask's mode, as open()
+        self._fh = os.fdopen(fd, "w")
+        try:
+            self._fh.writelines(json.dumps(r) + "\n" for r in self.records)
+            self._fh.flush()
+            os.replace(tmp, path)
+        except BaseException:
+            self._fh.close()
+            tmp.unlink(missing_ok=True)
+            raise
 
     def append(self, record: dict[str, Any]) -> None:
         self.records.append(record)

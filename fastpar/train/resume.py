@@ -60,8 +60,10 @@ def save(
     train_loader: Any,
     rank: int,
     world_size: int,
+    mode: int = 0o600,
 ) -> list[str] | None:
-    """Collective: every rank calls it. Returns the kept paths on rank 0, None on the others."""
+    """Collective: every rank calls it. Returns the kept paths on rank 0, None on the others. ``mode``: the
+    checkpoint's files' (``TrainingOptions.checkpoint_mode``)."""
     loader_state = train_loader.state_dict() if hasattr(train_loader, "state_dict") else None
     mine = {"rng": ckpt.rng_state(), "batch_in_epoch": batch_in_epoch, "loader": loader_state}
     ranks: list[Any] = [mine]
@@ -80,11 +82,11 @@ def save(
     if strategy.sharded_checkpoints:
         state = strategy.checkpoint_state()  # every rank: its own pieces
         record.update(format=sharded.SHARDED_FORMAT, sharding=strategy.name, world_size=world_size)
-        return sharded.save_sharded(state, directory, step, record if rank == 0 else None, keep)
+        return sharded.save_sharded(state, directory, step, record if rank == 0 else None, keep, mode=mode)
     if rank != 0:
         return None
     record.update(format=ckpt.FORMAT, model=strategy.model.state_dict(), optimizer=strategy.optimizer.state_dict())
-    ckpt.save_atomic(record, ckpt.checkpoint_path(directory, step))
+    ckpt.save_atomic(record, ckpt.checkpoint_path(directory, step), mode)
     ckpt.prune(directory, keep)
     return [str(p) for p in ckpt.list_checkpoints(directory)]
 

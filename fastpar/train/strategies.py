@@ -63,6 +63,10 @@ class Strategy:
     def clip(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
+    def compile(self, kwargs: dict[str, Any]) -> None:
+        """Run the step through ``torch.compile(train_model)``; ``model`` (state, evaluation) stays the module."""
+        self.train_model = torch.compile(self.train_model, **kwargs)
+
     # --- checkpoints and the result ------------------------------------------------------------------
     def model_shapes(self) -> dict[str, torch.Size]:
         return {k: v.shape for k, v in self.model.state_dict().items()}
@@ -253,6 +257,12 @@ class PipelineStrategy(DcpStrategy):
     """Layers split into stages (torch.distributed.pipelining schedules); data parallel across stage replicas."""
 
     name = "pipeline"
+
+    def compile(self, kwargs: dict[str, Any]) -> None:
+        raise ValueError(
+            "TrainingOptions.compile: the pipeline strategy runs torch.distributed.pipelining's schedule, which the "
+            "Trainer does not compile; choose another sharding (ddp, zero1, zero2, fsdp) or compile=False"
+        )
 
     def __init__(
         self, job: Job, rank: int, world_size: int, device: torch.device, plan_options=None, example_input=None

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .. import launcher
+from ..safe_files import folder_mode_for
 from ..user_errors import OptionError
 from . import checkpoint as ckpt
 from .data import check_exists
@@ -26,6 +27,8 @@ def check_resumable(model: Any, newest: Any, strategy: str) -> None:
     if sharded.is_sharded_checkpoint(newest):
         try:
             record, saved = sharded.read_trainer_record(newest), sharded.model_shapes_in(newest)
+        except sharded.UntrustedCheckpointError:  # planted, not damaged: refused here, before any worker starts
+            raise
         except Exception:  # unreadable: the workers skip it for an older one, and say so
             return
         saved_by = record.get("sharding")
@@ -68,6 +71,7 @@ class TrainingResult:
     # parameters, gradients, optimizer state and their total, in bytes, on the rank that held the most, measured
     # after this call's first step (None when it took none)
     model_state_bytes: dict[str, int] | None = None
+    logger_paths: dict[str, str] = dataclasses.field(default_factory=dict)  # logger name -> where it wrote
 
     @property
     def steps_this_call(self) -> int:
@@ -123,7 +127,7 @@ class Trainer:
             check_exists(opts.validation_data, "TrainingOptions.validation_data")
         ckpt.check_writable(opts.output_dir, "output_dir")
         if opts.checkpoint_dir is not None:
-            ckpt.check_writable(opts.checkpoint_dir, "checkpoint_dir")
+            ckpt.check_writable(opts.checkpoint_dir, "checkpoint_dir", folder_mode_for(opts.checkpoint_mode))
             ckpt.remove_stale_temp_files(opts.checkpoint_dir)
             existing = ckpt.list_checkpoints(opts.checkpoint_dir)
             if existing and not opts.resume and not ckpt.restarted_by_torchrun():
@@ -185,4 +189,5 @@ class Trainer:
             start_elapsed=raw.get("start_elapsed", 0.0),
             sharding=raw.get("sharding"),
             model_state_bytes=raw.get("model_state_bytes"),
+            logger_paths=raw.get("logger_paths", {}),
         )

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..launcher import join_process_group, set_threads
+from ..launcher import join_process_group, leave_process_group, set_threads
 from ..user_errors import OptionError
 from .job import Job
 from .loop import Run
@@ -51,4 +51,4 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         if own_group and dist.is_initialized():
             if finished:  # gloo aborts a process whose peer tears the group down while it finishes its last collective
                 dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
-            dist.destroy_process_group()
+            leave_process_group()

@@ -95,7 +95,7 @@ class ZeroCollective:
 
     def _reduce_scatter(self, zb: ShardedBucket) -> object:
         bucket = zb.bucket
-        comm = bucket.comm_flat
+        comm = bucket.acquire_comm_flat()  # lent when the first gradient was staged; a bucket with none staged now
         if zb.padding:  # zeros, also after a step scaled the shard by a non-finite factor (clipping an overflow)
             comm.narrow(0, bucket.numel - zb.padding, zb.padding).zero_()
         if self.exchange == "collective":

@@ -30,9 +30,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
-        from .optimizer import ShardedOptimizer
-
-        if not isinstance(optimizer, ShardedOptimizer):
+        if not hasattr(optimizer, "shard_grads"):  # not a ShardedOptimizer (not imported: it imports this module)
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
         by_device: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         for grad in optimizer.shard_grads():

@@ -94,33 +94,26 @@ class ShardedBucket:
 
 
 class PooledBucket(Bucket):
-    """A stage-2 bucket without a buffer of its own: the first time a backward reads its ``comm_flat`` (the reducer,
-    about to stage a gradient into it, on arrival or at launch) ``lend(bucket)`` lends it one of the pool's; once
-    the reduced shard is copied out it is given back. Between, ``comm_flat`` is ``placeholder``: the bucket's size
-    and dtype on the meta device -- no memory, and a write into it fails instead of landing anywhere."""
+    """A stage-2 bucket without a buffer of its own: when a backward first asks for one (``acquire_comm_flat()``:
+    the reducer, about to stage a gradient into it, on arrival or at launch) ``lend(bucket)`` lends it one of the
+    pool's; once the reduced shard is copied out it is given back. Between, ``comm_flat`` is ``placeholder``: the
+    bucket's size and dtype on the meta device -- no memory, and a write into it fails instead of landing
+    anywhere. Reading ``comm_flat`` (a memory count, a dtype) never borrows."""
 
     __slots__ = ("lend", "placeholder")
 
     def __init__(self, index: int, slots: list[ParamSlot], comm_dtype: torch.dtype | None, pad_to: int) -> None:
         self.lend = self.placeholder = None
         super().__init__(index, slots, False, comm_dtype, pad_to)  # allocates a comm_flat, dropped at once
-        allocated = Bucket.comm_flat.__get__(self)
-        self.placeholder = torch.empty(self.numel, dtype=allocated.dtype, device="meta")
+        self.placeholder = torch.empty(self.numel, dtype=self.comm_flat.dtype, device="meta")
         self.comm_flat = self.placeholder
         for slot in slots:
             slot.comm_view = None
 
-    @property
-    def comm_flat(self) -> torch.Tensor:
-        flat = Bucket.comm_flat.__get__(self)
-        if flat is self.placeholder and self.lend is not None:
+    def acquire_comm_flat(self) -> torch.Tensor:
+        if self.comm_flat is self.placeholder and self.lend is not None:
             self.lend(self)  # sets comm_flat (and the slots' comm_view)
-            flat = Bucket.comm_flat.__get__(self)
-        return flat
-
-    @comm_flat.setter
-    def comm_flat(self, value: torch.Tensor) -> None:
-        Bucket.comm_flat.__set__(self, value)
+        return self.comm_flat
 
     @property
     def nbytes(self) -> int:

@@ -157,10 +157,41 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._norms = ShardNorms(self._sharded, self._group, len(reducer.slots), tags + _TAGS_PER_INSTANCE // 2)
 
     # ---- the training step ------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
+    # torch.amp.GradScaler.step hands the step to the optimizer (``step(grad_scaler=...)``): a plain GradScaler
+    # finds no .grad under ZeRO, so the shards are unscaled and checked here instead.
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
         """One step of the wrapped optimizer on this rank's shard of every bucket, in the order the forward
-        uses them, each followed by the asynchronous all-gather of the updated shard."""
+        uses them, each followed by the asynchronous all-gather of the updated shard. ``grad_scaler``: passed by
+        ``torch.amp.GradScaler.step``, which then needs no :class:`fastpar.ShardedGradScaler`."""
+        if grad_scaler is not None:
+            return self._scaled_step(grad_scaler, closure)
+        return self._step(closure)
+
+    def _scaled_step(self, scaler, closure):
+        from torch.amp.grad_scaler import OptState
+
+        from .grad_scaler import ShardedGradScaler
+
+        state = scaler._per_optimizer_states[id(self)]
+        if state["stage"] is OptState.READY:  # unscale the shards and agree on "found inf" over the group
+            found_inf = torch.full((), 0.0, dtype=torch.float32, device=scaler._scale.device)
+            inv_scale = scaler._scale.double().reciprocal().float()
+            state["found_inf_per_device"] = ShardedGradScaler._unscale_grads_(scaler, self, inv_scale, found_inf, False)
+            state["stage"] = OptState.UNSCALED
+        if not state["found_inf_per_device"]:
+            raise RuntimeError(
+                "fastpar ZeRO: scaler.unscale_(optimizer) on a plain torch.amp.GradScaler found no gradients (under "
+                "ShardedOptimizer they exist only as shards), so they are still scaled. Use "
+                "fastpar.ShardedGradScaler, whose unscale_ unscales the shards, and ShardedOptimizer.clip_grad_norm_"
+            )
+        if sum(v.item() for v in state["found_inf_per_device"].values()):  # CPU-GPU sync point, as torch's
+            return None
+        return self._step(closure)
+
+    @torch.no_grad()
+    def _step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -45,7 +45,8 @@ def _parity_rank(rank: int, world: int) -> list[str]:
                 flat.copy_(_values(rank, flat.numel(), dtype, salt))
                 ref = flat.clone()
                 dist.all_reduce(ref, op=op, group=gloo)
-                dist.all_reduce(flat, op=op)
+                with shared_buffers.bucket_collective():
+                    dist.all_reduce(flat, op=op)
                 if not torch.equal(flat.view(torch.uint8), ref.view(torch.uint8)):
                     failures.append(f"{dtype} n={flat.numel()} {op_name}")
         # a slice of a buffer (a hook reducing part of a bucket) takes the same path at its offset
@@ -53,7 +54,8 @@ def _parity_rank(rank: int, world: int) -> list[str]:
         view.copy_(_values(rank, 5000, dtype, salt + 100))
         ref = view.clone()
         dist.all_reduce(ref, group=gloo)
-        dist.all_reduce(view)
+        with shared_buffers.bucket_collective():
+            dist.all_reduce(view)
         if not torch.equal(view.view(torch.uint8), ref.view(torch.uint8)):
             failures.append(f"{dtype} slice")
     dist.barrier()
@@ -73,7 +75,8 @@ def _mismatch_rank(rank: int, world: int) -> str:
     assert flat is not None
     t = flat if rank == 0 else torch.ones(1000)  # rank 0 reduces a shared buffer, rank 1 private memory
     try:
-        dist.all_reduce(t)
+        with shared_buffers.bucket_collective():
+            dist.all_reduce(t)
     except RuntimeError as error:
         return str(error)
     return "no error"
@@ -186,3 +189,55 @@ def test_a_copy_on_one_rank_alone_does_not_wait_for_the_others():
     results = spawn(_copy_on_one_rank, 2, backend="fastpar", pg_timeout=60, timeout=120)
     assert results[0][0] and results[1][0]
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+
+
+def _rank_local_steps_rank(rank: int, world: int) -> tuple:
+    import copy
+
+    from fastpar import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4)))
+    if rank == 0:  # before any step, on this rank alone: a copy sampled with grad, and a no_sync step
+        clone = copy.deepcopy(model)
+        clone(torch.randn(8, 32)).sum()
+        with model.no_sync():
+            model(torch.randn(8, 32)).sum().backward()
+        model.zero_grad()
+    for step in range(2):
+        torch.manual_seed(step)
+        model(torch.randn(8, 32)).sum().backward()
+    return _is_shared(model.reducer.buckets[0].comm_flat), [p.grad.clone() for p in model.parameters()]
+
+
+def test_rank_local_forwards_and_no_sync_steps_do_not_wait_for_the_others():
+    """The shared buckets are created at the end of the first synchronised backward, not at a forward."""
+    results = spawn(_rank_local_steps_rank, 2, backend="fastpar", pg_timeout=30, timeout=120)
+    assert results[0][0] and results[1][0], "the buckets are in shared memory after the first synchronised step"
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+
+
+def _own_all_reduce_rank(rank: int, world: int) -> dict:
+    from fastpar import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 4)))
+    for _ in range(2):
+        model(torch.randn(8, 32)).sum().backward()
+    grad = model.module[0].weight.grad
+    # rank 0 reduces its .grad (inside the shared bucket), rank 1 private memory: an ordinary all-reduce on both
+    tensor = grad if rank == 0 else torch.ones_like(grad)
+    before = tensor.clone()
+    try:
+        dist.all_reduce(tensor)
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return {"in_shared": _is_shared(grad), "before": before, "after": tensor.clone()}
+
+
+def test_a_users_all_reduce_of_a_gradient_in_a_shared_bucket_is_an_ordinary_all_reduce():
+    results = spawn(_own_all_reduce_rank, 2, backend="fastpar", pg_timeout=30, timeout=120)
+    assert "error" not in results[0] and "error" not in results[1], results
+    assert results[0]["in_shared"]
+    expected = results[0]["before"] + results[1]["before"]
+    assert torch.equal(results[0]["after"], expected) and torch.equal(results[1]["after"], expected)

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from fastpar.costmodel.pipeline_split import balanced_split
 from fastpar.costmodel.reference_transformer import ReferenceTransformer
 from fastpar.user_errors import UserError
 
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(layers=3, hidden=64, vocab=500, seq_len=32)
 
 
@@ -216,3 +221,50 @@ def test_cpu_ranks_are_priced_with_the_profile_of_their_backend():
         assert shm("allreduce", nbytes, 2) < gloo("allreduce", nbytes, 2)
     with pytest.raises(UserError, match="backend must be one of gloo, fastpar, got 'mpi'"):
         planner_comm.comm_model(on_gpu=False, backend="mpi")
+
+
+ENCODER_LAYER = ["--model", "torch.nn:TransformerEncoderLayer", "--kwargs"]
+ENCODER_KWARGS = '{"d_model": 32, "nhead": 2, "dim_feedforward": 64, "batch_first": true}'
+
+
+def test_fastpar_plan_runs_any_module_given_its_input_shape():
+    """A module without an example_batch method (torchvision's models, torch.nn's layers) is planned from one
+    sample's shape and dtype; the command runs in a fresh process and says nothing about the backend."""
+    argv = [*ENCODER_LAYER, ENCODER_KWARGS, "--input-shape", "5,32", "--input-dtype", "float32"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "fastpar", "plan", *argv, "--devices", "2", "--device-memory", "1GB"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "pick: " in done.stdout and "batch 8/device" in done.stdout, done.stdout
+    assert done.stderr == "", done.stderr  # no "could not register the 'fastpar' torch.distributed backend"
+
+
+def test_an_input_shape_the_module_refuses_is_one_line(capsys):
+    from fastpar import cli
+
+    argv = ["plan", *ENCODER_LAYER, ENCODER_KWARGS, "--input-shape", "5,31", "--devices", "2", "--device-memory", "1GB"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "refused an input of shape (batch, 5, 31)" in err, err
+    assert "--input-shape" in err
+
+
+def test_integer_inputs_are_valid_indices():
+    spec = ModelSpec.from_path(
+        "torch.nn:Embedding", {"num_embeddings": 7, "embedding_dim": 4}, input_shape=(3,), input_dtype="int64"
+    )
+    module = spec.build("cpu")
+    batch = spec.batch(module, 2, None, "cpu")
+    assert batch.shape == (2, 3) and batch.dtype == torch.int64
+    assert module(batch).shape == (2, 3, 4)
+    with pytest.raises(UserError, match="not a torch dtype"):
+        ModelSpec.from_path("torch.nn:Embedding", input_shape=(3,), input_dtype="int65")
+
+
+def test_a_budget_nothing_fits_says_so_in_words(capsys):
+    from fastpar import cli
+
+    argv = ["plan", "--transformer", "layers=2,hidden=32,vocab=100", "--seq-len", "16", "--devices", "2"]
+    assert cli.main([*argv, "--device-memory", "100KB"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-2]
+    assert last.startswith("nothing fits: the smallest is ") and "would fit with ;" not in last, last

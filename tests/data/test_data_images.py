@@ -233,3 +233,28 @@ def test_dali_next_epoch_started_ahead_matches_a_fresh_pass(folder):
     assert all(torch.equal(a, b) for a, (b, _) in zip(ahead, fresh, strict=True))
     ld.set_epoch(0)
     assert len(list(ld)) == len(ld)
+
+
+def test_gpu_decoding_says_what_it_needs(folder, monkeypatch):
+    """``device="mixed"`` (DALI's GPU decoder) is a device image_loader understands, never torch.device's error."""
+    from fastpar.data import loader as loader_module
+
+    with pytest.raises(ValueError, match='device="mixed" decodes on the GPU with DALI; the torch backend'):
+        image_loader(folder, 8, backend="torch", device="mixed")
+    monkeypatch.setattr(loader_module, "available", lambda name: False)
+    with pytest.raises(ValueError, match=r"DALI, which is not installed: pip install .*\[dali\]"):
+        image_loader(folder, 8, device="mixed")
+    monkeypatch.setattr(loader_module, "available", lambda name: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for backend in ("auto", "dali"):
+        with pytest.raises(ValueError, match='device="mixed" decodes on a GPU, but torch sees none here'):
+            image_loader(folder, 8, backend=backend, device="mixed")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not available("nvidia.dali"), reason="DALI is not installed")
+def test_gpu_decoding_delivers_on_the_current_gpu(folder):
+    loader = image_loader(folder, 8, size=SIZE, device="mixed", num_threads=1)
+    x, y = next(iter(loader))
+    assert x.device == y.device == torch.device("cuda", torch.cuda.current_device())
+    assert colour_labels(x.cpu()) == y.cpu().tolist()

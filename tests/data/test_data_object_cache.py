@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
+import pwd
+import stat
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +19,7 @@ from fastpar.data.remote.cache import ObjectCache, parse_size
 from fastpar.data.remote.store import ObjectInfo, StoreOptions
 from fastpar.data.remote.urls import ObjectURL, is_url, local_path
 from fastpar.launcher import spawn
+from fastpar.safe_files import UnsafeFolderError
 
 
 def info(n: int, size: int = 1000, version: str = "v1") -> ObjectInfo:
@@ -185,3 +189,127 @@ def test_cache_shared_by_ranks_never_serves_a_partial_object(tmp_path, limit):
     for n in range(40):
         got = cache.get(info(n, 3000))
         assert got is None or got.tobytes() == payload(n, 3000)
+
+
+def md5_info(n: int, size: int = 1000, suffix: str = "") -> ObjectInfo:
+    """An object whose ETag is the MD5 of its bytes (a single-part upload), or a multipart-like one (suffix)."""
+    etag = hashlib.md5(payload(n, size)).hexdigest() + suffix
+    return ObjectInfo(f"s3://bucket/train/c/{n:05d}.jpg", f"train/c/{n:05d}.jpg", size, etag)
+
+
+def test_an_entry_of_the_right_size_but_other_bytes_is_fetched_again_when_the_etag_is_its_md5(tmp_path):
+    cache = ObjectCache(tmp_path)
+    cache.put(md5_info(1), payload(1))
+    assert cache.get(md5_info(1)).tobytes() == payload(1)
+    cache.path(md5_info(1)).write_bytes(payload(99))  # same size, other bytes: tampered with or damaged
+    assert cache.get(md5_info(1)) is None and not cache.path(md5_info(1)).exists()
+    fetches = []
+    assert cache.fetch_once(md5_info(1), lambda: fetches.append(1) or payload(1)).tobytes() == payload(1)
+    assert fetches == [1] and cache.get(md5_info(1)).tobytes() == payload(1)
+    # a multipart ETag ("<md5 of part md5s>-<parts>") is not the body's MD5: the size decides
+    multipart = md5_info(2, suffix="-3")
+    cache.put(multipart, payload(2))
+    assert cache.get(multipart).tobytes() == payload(2)
+    # an ETag shaped like an MD5 that is not the body's (SSE-KMS): nothing cached that could not be checked
+    kms = ObjectInfo("s3://bucket/train/c/k.jpg", "train/c/k.jpg", 1000, "0" * 32)
+    with pytest.warns(UserWarning, match="not the MD5 of their bytes"):
+        cache.put(kms, payload(3))
+    assert cache.get(kms) is None and not cache.path(kms).exists()
+
+
+def test_symlinks_planted_in_the_cache_folder_are_never_followed(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    root = tmp_path / "cache"
+    cache = ObjectCache(root, max_bytes=1 << 20)
+    (root / ".size").symlink_to(victim)  # the running total's side file
+    cache.put(info(1), payload(1))
+    assert victim.read_text() == "precious" and not (root / ".size").is_symlink()
+    assert int((root / ".size").read_text()) == 1000
+
+    (root / ".locks").mkdir(exist_ok=True)
+    lock_name = cache.path(info(2)).name[:3]
+    (root / ".locks" / lock_name).symlink_to(tmp_path / "made-by-the-fetch-lock")
+    assert cache.fetch_once(info(2), lambda: payload(2)).tobytes() == payload(2)
+    assert not (tmp_path / "made-by-the-fetch-lock").exists()
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    entry_folder = cache.path(info(3)).parent
+    assert not entry_folder.exists()  # (its name differs from those of objects 1 and 2)
+    entry_folder.symlink_to(elsewhere, target_is_directory=True)  # an entry folder swapped for a link
+    with pytest.warns(UserWarning, match="stopped storing objects"):
+        cache.put(info(3), payload(3))
+    assert list(elsewhere.iterdir()) == []
+
+    planted = ObjectCache(tmp_path / "other")  # an entry that is a link to a file of the right size
+    planted.put(info(4), payload(4))
+    entry = planted.path(info(4))
+    entry.unlink()
+    (tmp_path / "decoy").write_bytes(payload(77))
+    entry.symlink_to(tmp_path / "decoy")
+    assert planted.get(info(4)) is None
+
+    lock_root = tmp_path / "locked"
+    locked = ObjectCache(lock_root, max_bytes=1 << 20)
+    (lock_root / ".lock").symlink_to(tmp_path / "made-by-the-size-lock")
+    with pytest.warns(UserWarning, match="stopped storing objects"):
+        locked.put(info(5), payload(5))
+    assert not (tmp_path / "made-by-the-size-lock").exists()
+
+
+def test_a_cache_folder_others_may_write_to_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UnsafeFolderError, match="may be written by every user"):
+        ObjectCache(shared)
+    team = tmp_path / "team"
+    team.mkdir()
+    team.chmod(0o770)  # a folder its group may write to: a team's shared cache
+    ObjectCache(team).put(info(1), payload(1))
+    fresh = ObjectCache(tmp_path / "new" / "cache")
+    assert stat.S_IMODE((tmp_path / "new" / "cache").stat().st_mode) == 0o700 and fresh.get(info(1)) is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder of another user's needs root")
+def test_a_cache_folder_of_another_user_is_refused(tmp_path):
+    nobody = pwd.getpwnam("nobody").pw_uid
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, nobody, -1)
+    with pytest.raises(UnsafeFolderError, match="belongs to another user"):
+        ObjectCache(theirs)
+    link = tmp_path / "link"  # a link another user planted where the cache folder should be
+    link.symlink_to(tmp_path / "mine", target_is_directory=True)
+    (tmp_path / "mine").mkdir()
+    os.lchown(link, nobody, -1)
+    with pytest.raises(UnsafeFolderError, match="symbolic link made by another user"):
+        ObjectCache(link)
+    mine = ObjectCache(tmp_path / "mine")  # an entry another user put into a folder of this user's is not served
+    mine.put(info(1), payload(1))
+    os.chown(mine.path(info(1)), nobody, -1)
+    assert mine.get(info(1)) is None
+
+
+def test_redact_url_strips_userinfo_and_secret_query_parameters():
+    from fastpar.user_errors import redact_url
+
+    assert redact_url("http://alice:s3cret@127.0.0.1:9000/") == "http://***@127.0.0.1:9000/"
+    assert redact_url("s3://AKIA:wJalr/K7+x@bucket/k") == "s3://***@bucket/k"  # a secret key may hold '/'
+    assert redact_url("https://h/o?X-Amz-Credential=AK&X-Amz-Date=1&X-Amz-Signature=f00") == (
+        "https://h/o?X-Amz-Credential=***&X-Amz-Date=1&X-Amz-Signature=***"
+    )
+    assert redact_url('at "ftp://u:p@h/x" and gs://b/p?token=t&x=1') == 'at "ftp://***@h/x" and gs://b/p?token=***&x=1'
+    for plain in ("s3://bucket/c/a@b.jpg", "s3://imgs/train/", "/data/train", "no url: a@b"):
+        assert redact_url(plain) == plain
+    assert str(ObjectURL.parse("gs://b/p?sig=abc")) == "gs://b/p?sig=***"  # the value runs to its end
+
+
+def test_a_fifo_planted_as_an_entry_does_not_hang_the_reader(tmp_path):
+    cache = ObjectCache(tmp_path)
+    cache.put(info(1), payload(1))
+    entry = cache.path(info(1))
+    entry.unlink()
+    os.mkfifo(entry)
+    assert cache.get(info(1)) is None  # opening a FIFO for reading would wait for a writer forever

@@ -21,7 +21,13 @@ pytest.importorskip("moto")
 
 from fastpar._optional import available  # noqa: E402
 from fastpar.data import CorruptImageError, image_loader, make_image_folder, rank_batches  # noqa: E402
-from fastpar.data.remote.errors import BucketNotFoundError, ObjectReadError, StoreAccessError  # noqa: E402
+from fastpar.data.remote.errors import (  # noqa: E402
+    BucketNotFoundError,
+    ObjectReadError,
+    StoreAccessError,
+    StoreUnreachableError,
+    UnsafeObjectKeyError,
+)
 from fastpar.data.remote.local_s3 import LocalS3  # noqa: E402
 from fastpar.data.remote.store import StoreOptions  # noqa: E402
 from fastpar.launcher import spawn  # noqa: E402
@@ -478,3 +484,83 @@ def test_local_server_leaves_no_temporary_folder(folders):
 
     gc.collect()
     assert not workdir.exists()
+
+
+def _bucket_with(name: str, keys: list[str], body: bytes) -> None:
+    import boto3
+
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=name)
+    for key in keys:
+        client.put_object(Bucket=name, Key=key, Body=body)
+
+
+def test_a_key_with_an_empty_component_writes_nothing_outside_the_folder(s3, folders, tmp_path, capsys):
+    from fastpar.bench.cli import main
+
+    image = (folders / "imgs" / "train" / "00_red" / "00000.jpg").read_bytes()
+    target = tmp_path / "x" / "owned.jpg"  # absolute: the key is "train//tmp/.../x/owned.jpg"
+    _bucket_with("unsafe-empty", ["train/00_red/00000.jpg", f"train/{target}"], image)
+    code = main(["data", "--root", "s3://unsafe-empty/train", "--size", "32", "--batch", "8", "--workers", "1"])
+    out, err = capsys.readouterr()
+    assert not target.parent.exists()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, out + err
+    assert f"'train/{target}'" in lines[0] and "empty, '.' or '..' path component" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("bucket", "prefix", "key"),
+    [
+        ("unsafe-dotdot", "train", "train/../escape.jpg"),
+        ("unsafe-dot", "train", "train/./00_red/00001.jpg"),
+        ("unsafe-leading", "", "/abs/00001.jpg"),
+    ],
+)
+def test_keys_that_name_no_path_below_the_folder_are_refused(s3, folders, bucket, prefix, key):
+    image = (folders / "imgs" / "train" / "00_red" / "00000.jpg").read_bytes()
+    _bucket_with(bucket, [f"{prefix}/00_red/00000.jpg".lstrip("/"), key], image)
+    with pytest.raises(UnsafeObjectKeyError, match="path component") as caught:
+        load(f"s3://{bucket}/{prefix}")
+    assert repr(key) in str(caught.value)
+
+
+def test_a_password_in_an_endpoint_url_never_reaches_a_message(s3, caplog):
+    import logging
+    import traceback
+
+    from fastpar.data.remote.store import open_store
+    from fastpar.launcher import free_port
+    from fastpar.user_errors import describe
+
+    endpoint = f"http://alice:s3cret@127.0.0.1:{free_port()}"  # nothing listens there
+    keys_in_url = "s3://AKIAEXAMPLE:wJalr/K7s3cret@imgs/train"  # (in variables: a traceback quotes the source)
+
+    def shown(exc: BaseException) -> str:  # every way an error reaches a person: message, one line, traceback
+        return str(exc) + (describe(exc) or "") + "".join(traceback.format_exception(exc))
+
+    with caplog.at_level(logging.DEBUG, logger="fastpar"), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        with pytest.raises(StoreUnreachableError) as refused:
+            load("s3://imgs/train", endpoint_url=endpoint)
+        fast = StoreOptions(endpoint_url=endpoint, retries=1, backoff_s=0.01, max_backoff_s=0.01)
+        store = open_store("s3://imgs/train", fast)
+        store.reached = True  # a server that answered before: retried, then given up on
+        with pytest.raises(ObjectReadError) as gave_up:
+            store.list()
+        with pytest.raises(ValueError) as in_url:
+            load(keys_in_url)
+    assert "connection refused at http://***@127.0.0.1:" in str(refused.value)
+    assert "credentials" in str(in_url.value)
+    seen = shown(refused.value) + shown(gave_up.value) + shown(in_url.value) + caplog.text
+    seen += "".join(str(w.message) for w in warned)
+    assert "s3cret" not in seen and "alice" not in seen and "AKIAEXAMPLE" not in seen
+
+
+def test_bench_data_refuses_credentials_in_the_root_url_in_one_line(capsys):
+    from fastpar.bench.cli import main
+
+    code = main(["data", "--root", "s3://alice:s3cret@imgs/train"])
+    out, err = capsys.readouterr()
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "s3cret" not in out + err, out + err
+    assert "--root" in err and "credentials" in err

@@ -136,3 +136,18 @@ def test_torch_compile_runs(group):
         compiled(torch.randn(3, 4)).square().mean().backward()
     assert model.comm_stats()["step"] == 2
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_arguments_left_at_none_take_the_installed_torchs_default(monkeypatch):
+    """torch before 2.13 had ``broadcast_buffers=True`` (not None) as its default and stored what it was given:
+    fastpar's None ("torch's default") must not reach it, or torch's logger fails on ``int(None)``."""
+    from fastpar.ddp import _setup
+
+    def older_torch_init(self, module, device_ids=None, broadcast_buffers=True, bucket_cap_mb=None):
+        pass
+
+    monkeypatch.setattr(_setup, "_PARENT_PARAMS", inspect.signature(older_torch_init).parameters)
+    kwargs = _setup.parent_kwargs(device_ids=None, broadcast_buffers=None, bucket_cap_mb=25, forward_sync_buffers=None)
+    assert kwargs == {"bucket_cap_mb": 25}
+    with pytest.raises(TypeError, match=r"forward_sync_buffers=\.\.\.\) needs a newer torch"):
+        _setup.parent_kwargs(forward_sync_buffers=True)

@@ -1,4 +1,4 @@
-"""The per-gradient hot path in the extension (``fastpar.ddp.hot_path``): in the common mode the C++ hooks run,
+"""The per-gradient hot path in the extension (``fastpar.ddp.extension_hooks``): in the common mode the C++ hooks run,
 with the same bits as the Python hooks (``FASTPAR_DDP_HOT_PATH=python``) and as torch's DDP, on gloo and on the
 fastpar backend; its errors name the parameter as the Python path's do, and leave the next step clean."""
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fastpar.ddp.pipeline import FinishQueue, is_done
+from fastpar.ddp.finish_queue import FinishQueue, is_done
 from fastpar.launcher import spawn
 
 TINY_CAP_MB = 0.0005  # 524 bytes: the last layer (bias + weight) is the first bucket after the rebuild

@@ -220,7 +220,7 @@ def test_cancel_stops_a_running_trainer_and_every_process_it_started(jobs_dir, t
     progress = future.progress()
     assert progress["iteration"] >= 1 and "loss" in progress
     leader = int(future.record.cluster_job_id)
-    before = proctree.job_processes(leader, future.record.controller_start_ticks)
+    before = proctree.job_processes(leader, future.record.controller_start_ticks, future.record.process_marker)
     assert len(before) >= 4, before  # controller, job process, and the Trainer's 2 workers (+ helpers)
     assert future.running()
     assert future.cancel() and future.cancelled() and future.state() == "CANCELLED"

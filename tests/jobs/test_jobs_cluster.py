@@ -85,6 +85,18 @@ def _assert_same(params: dict[str, torch.Tensor], reference: dict[str, torch.Ten
         assert torch.equal(params[name], tensor), f"{name} differs from one agent with 2 processes"
 
 
+def test_the_trainer_leaves_no_gloo_thread_behind_under_torchrun(tmp_path, monkeypatch):
+    """A group kept alive by reference cycles after destroy_process_group keeps gloo's threads until interpreter
+    shutdown, where tearing them down now and then aborts a rank that trained fine (SIGABRT)."""
+    monkeypatch.setenv("FASTPAR_TEST_REPORT_THREADS", "1")
+    agent = _torchrun(1, 2, 0, free_port(), uuid.uuid4().hex, tmp_path / "params.pt")
+    output, _ = agent.communicate(timeout=300)
+    reports = [line for line in output.splitlines() if line.startswith("threads after fit")]
+    assert len(reports) == 2, output
+    for line in reports:
+        assert "gloo" not in line, f"gloo threads outlived Trainer.fit(): {line}"
+
+
 @pytest.mark.slow
 def test_two_torchrun_agents_end_bit_identical_to_one_agent(one_agent, tmp_path):
     out = tmp_path / "params.pt"
@@ -228,7 +240,9 @@ def test_sbatch_scripts_for_several_resource_requests(fake_slurm, tmp_path, monk
     }
     for key, value in slurm_env.items():
         monkeypatch.setenv(key, value)
-    assert agent.rendezvous() == (2, f"gpu07:{rendezvous_port('4201')}", "fastpar-4201")
+    # the run id was drawn at submission: the same on every node, not derived from the job id
+    assert agent.rendezvous() == (2, f"gpu07:{rendezvous_port('4201')}", agent.run_id)
+    assert "4201" not in agent.run_id
     for key in slurm_env:
         monkeypatch.delenv(key)
 

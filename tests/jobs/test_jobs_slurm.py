@@ -8,6 +8,7 @@ from the controller without submitit's sacct warnings.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -64,9 +65,12 @@ def _in_squeue(job_id: str) -> bool:
 def where_am_i(config: dict) -> dict:
     import torch
 
+    job = os.environ.get("SLURM_JOB_ID")
+    shown = subprocess.run(["scontrol", "show", "job", "-d", job], capture_output=True, text=True).stdout
     return {
-        "job": os.environ.get("SLURM_JOB_ID"),
+        "job": job,
         "cpus": sorted(os.sched_getaffinity(0)),
+        "allocated": re.findall(r"CPU_IDs=(\S+)", shown),  # the controller's word, whether or not it binds
         "threads": torch.get_num_threads(),
         "square": config["x"] ** 2,
     }
@@ -100,7 +104,10 @@ def test_sweep_trials_are_slurm_jobs_on_their_own_cores(jobs_dir, tmp_path, capf
     first, second = result.results
     assert first["square"] == 4 and second["square"] == 9
     assert first["job"] and second["job"] and first["job"] != second["job"]
-    assert len(first["cpus"]) == len(second["cpus"]) == 1  # --cpus-per-task=1, bound
+    # --cpus-per-task=1: each trial on the one CPU Slurm allocated to it, whether the cluster binds tasks
+    # (TaskPlugin=task/affinity) or not (task/none: fastpar pins the trial)
+    for trial in (first, second):
+        assert trial["allocated"] == [str(cpu) for cpu in trial["cpus"]] and len(trial["cpus"]) == 1, trial
     assert first["threads"] == second["threads"] == 1
     assert SACCT_WARNING not in "".join(capfd.readouterr())
 

@@ -4,7 +4,9 @@ saves the trained parameters to the path given as its first argument."""
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -39,3 +41,6 @@ if __name__ == "__main__":
     if result.model is not None:  # rank 0
         torch.save(result.model.state_dict(), out)
         print(f"saved rank 0's parameters after {result.steps} steps to {out}", flush=True)
+    if os.environ.get("FASTPAR_TEST_REPORT_THREADS"):  # which threads outlive fit(): gloo's must not
+        names = sorted(Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir())
+        print(f"threads after fit on rank {os.environ.get('RANK')}: {names}", flush=True)

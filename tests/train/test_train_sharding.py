@@ -9,6 +9,7 @@ worker processes, so every test here but the option checks is marked slow.
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from fastpar.train import checkpoint as ckpt
 from fastpar.train.options import parse_bytes
 from fastpar.train.resume import single_file_state
 from fastpar.user_errors import OptionError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 DATA = blobs(192, seed=3)  # 2 ranks x 16: 6 steps per epoch; 3 ranks: 4
 VALIDATION = blobs(100, seed=4)
@@ -315,3 +318,42 @@ def test_pipeline_checkpoint_resumes_with_another_split_exactly(tmp_path):
     assert resumed.start_step == 12 and resumed.steps == straight.steps == 24
     assert_same_parameters(resumed.model, straight.model)
     assert losses(resumed, 12) == losses(straight, 12)
+
+
+def _fsdp_wrap_comment() -> str:
+    """The comment at TrainingOptions.fsdp_wrap in options.py: from "fsdp units:" to its last comment line."""
+    source = (ROOT / "fastpar" / "train" / "options.py").read_text()
+    first, *rest = source[source.index("fsdp units:") + len("fsdp units:") :].splitlines()
+    lines = [first]
+    for line in rest:
+        if not line.strip().startswith("#"):
+            break
+        lines.append(line.strip().lstrip("#"))
+    return " ".join(lines)
+
+
+def _a_value_for(alternative: str):
+    """An fsdp_wrap value for one listed alternative: the word itself, or an example of a described kind."""
+    words = re.sub(r"\(.*\)", "", alternative).replace("`", "").split()
+    if len(words) == 1:  # a value: "auto", or a bare word
+        return words[0].strip("\"'")
+    if "parameter count" in alternative:
+        return 1000
+    if "class names" in alternative:
+        return ("Linear",)
+    raise AssertionError(f"fsdp_wrap: cannot tell what {alternative!r} stands for")
+
+
+def test_the_fsdp_wrap_values_the_comment_and_the_reference_list_are_accepted():
+    """What TrainingOptions.fsdp_wrap's comment and the options reference list is what validation accepts."""
+    reference = (ROOT / "docs" / "reference" / "train.md").read_text().splitlines()
+    cell = next(line for line in reference if line.startswith("| `fsdp_wrap`")).split("|")[3]
+    listed = {
+        "options.py": _fsdp_wrap_comment().split("|"),
+        "docs/reference/train.md": re.split(r",(?: or)? | or ", cell),
+    }
+    for where, alternatives in listed.items():
+        assert len(alternatives) >= 4, (where, alternatives)
+        for alternative in alternatives:
+            value = _a_value_for(alternative)
+            assert TrainingOptions(sharding="fsdp", fsdp_wrap=value).fsdp_wrap == value, (where, alternative)

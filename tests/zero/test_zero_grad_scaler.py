@@ -13,7 +13,7 @@ from fastpar.launcher import spawn
 STEPS, OVERFLOW_STEP = 6, 2
 
 
-def _rank(rank: int, world_size: int, clip: bool) -> dict:
+def _rank(rank: int, world_size: int, clip: bool, plain: bool = False) -> dict:
     import warnings
 
     from ddp_models import MLP
@@ -35,7 +35,7 @@ def _rank(rank: int, world_size: int, clip: bool) -> dict:
             optimizer = fastpar.ShardedOptimizer(
                 model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, shard_gradients=impl == "zero2"
             )
-            scaler = fastpar.ShardedGradScaler("cpu", **scaler_args)
+            scaler = (torch.amp.GradScaler if plain else fastpar.ShardedGradScaler)("cpu", **scaler_args)
         gen = torch.Generator().manual_seed(100 + rank)
         scales, norms = [], []
         for step in range(STEPS):
@@ -79,3 +79,38 @@ def test_sharded_grad_scaler_matches_torch_ddp_with_grad_scaler(world_size, clip
                 if not torch.equal(a, b)
             ]
             assert differ == [], f"{where}: parameters {differ} differ from torch DDP + GradScaler"
+
+
+def _plain_unscale(rank: int, world_size: int, backend: str, zero2: bool) -> str:
+    from ddp_models import MLP
+
+    import fastpar
+
+    model = fastpar.DDP(MLP(), bucket_cap_mb=0.002)
+    optimizer = fastpar.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, shard_gradients=zero2)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(8, 16)).square().mean()).backward()
+    scaler.unscale_(optimizer)  # finds no .grad: the shards stay scaled
+    with pytest.raises(RuntimeError, match="fastpar.ShardedGradScaler") as error:
+        scaler.step(optimizer)
+    return str(error.value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gloo", "fastpar"])
+def test_plain_grad_scaler_matches_torch_ddp_with_grad_scaler(backend):
+    """A plain ``torch.amp.GradScaler`` hands the step to ShardedOptimizer, which unscales the shards: the
+    same scales (the overflow step skipped on every rank) and parameters as torch DDP + GradScaler."""
+    for rank, out in enumerate(spawn(_rank, 2, False, True, backend=backend, timeout=300)):
+        for stage in ("zero", "zero2"):
+            assert out[stage]["scales"] == out["torch"]["scales"], f"rank {rank}, {stage}"
+            for a, b in zip(out["torch"]["params"], out[stage]["params"], strict=True):
+                assert torch.equal(a, b), f"rank {rank}, {stage}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gloo", "fastpar"])
+@pytest.mark.parametrize("zero2", [False, True], ids=["zero1", "zero2"])
+def test_plain_grad_scaler_unscale_fails_loudly_in_the_first_step(backend, zero2):
+    for message in spawn(_plain_unscale, 2, backend, zero2, backend=backend, timeout=300):
+        assert "ShardedGradScaler" in message

@@ -49,6 +49,10 @@ def _rank(rank: int, world_size: int) -> dict:
         }
         opt.step()
         opt.wait_for_params()
+        # between steps a stage-2 bucket holds no pool buffer, and reading its comm_flat (as a memory count or a
+        # logger does) borrows none: only acquire_comm_flat() does
+        out[stage]["comm_flat_devices"] = {zb.bucket.comm_flat.device.type for zb in opt._sharded}
+        out[stage]["lent_between_steps"] = sum(getattr(zb, "buffer", None) is not None for zb in opt._sharded)
     out["model_bytes"] = sum(p.numel() * p.element_size() for p in module.parameters())
     return out
 
@@ -74,6 +78,8 @@ def test_stage_two_keeps_a_shard_of_the_gradients_and_a_pool_of_buckets_in_fligh
         assert report["gradients"] < one["after_backward"]["gradients"]
         # during backward: autograd's gradients are dropped as their bucket launches -- at most one bucket pending
         assert two["peak_in_backward"] <= model / world_size + padding + report["gradient_pool"] + largest
+        assert two["comm_flat_devices"] == {"meta"} and two["lent_between_steps"] == 0, f"rank {rank}: {two}"
+        assert one["comm_flat_devices"] == {"cpu"}
         # stage 1 keeps the whole gradient, bucket by bucket
         assert one["after_backward"]["gradients"] >= model
         assert one["after_backward"]["gradient_pool"] == 0

@@ -26,6 +26,7 @@ import argparse
 import math
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..._optional import available
+from ...safe_files import folder_problem, write_new
 from ..context import BenchContext
 from ..goals import AT_LEAST, Goal, beyond_floor
 from ..harness import BenchUsageError, Plan, WrongResultError, median
@@ -46,6 +48,7 @@ USES: set[str] = set()
 DEFAULTS = {"iters": 1, "warmup": 1, "rounds": 3}
 DALI_VS_TORCH = Goal("fastpar_dali images/s", "fastpar_torch", 1.5, AT_LEAST)
 DALI_VS_BARE = Goal("fastpar_dali images/s", "dali_bare", 0.95, AT_LEAST)
+_COMPLETE = ".complete"  # written last into a generated image set: the set is whole
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,18 +91,32 @@ def image_folder(images: str | None, count: int, image_size: str, flag: str = "-
     classes = 4
     per_class = math.ceil(count / classes)
     root = Path(tempfile.gettempdir()) / f"fastpar-bench-images-{classes * per_class}-{width}x{height}"
-    if not (root / ".complete").exists():  # generating is slow (seconds per hundred images): once per machine
-        # write aside, then rename into place: a concurrent run or a crash never leaves a half-written set
+    if not _own_complete_set(root):  # generating is slow (seconds per hundred images): once per machine and user
+        # write aside (a private folder), then rename into place: a concurrent run or a crash never leaves a
+        # half-written set
         staging = Path(tempfile.mkdtemp(prefix=f"{root.name}.", dir=root.parent))
         make_image_folder(staging, classes=classes, per_class=per_class, size=(width, height), seed=0, fmt="jpeg")
-        (staging / ".complete").write_text("ok\n")
+        write_new(staging / _COMPLETE, b"ok\n")
         try:
             staging.rename(root)
-        except OSError:  # root is taken: by another run's complete set, or by a set a crash left half-written
-            if not (root / ".complete").exists():
+        except OSError:  # root is taken: by another run's complete set, a set a crash left half-written, or a
+            if not _own_complete_set(root):  # folder of another user's: then this run reads its private copy
                 return staging
             shutil.rmtree(staging, ignore_errors=True)
     return root
+
+
+def _own_complete_set(root: Path) -> bool:
+    """Whether ``root`` holds a generated set this user finished: a folder of theirs that no one else may write
+    to, holding their ``.complete`` marker. A set in the shared temporary folder made or marked by anyone
+    else is never read: they would choose the images (and the timings) of this run."""
+    try:
+        if folder_problem(root) is not None:
+            return False
+        marker = os.lstat(root / _COMPLETE)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISREG(marker.st_mode) and marker.st_uid == os.geteuid()
 
 
 def _parse_image_size(text: str) -> tuple[int, int]:

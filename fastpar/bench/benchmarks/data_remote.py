@@ -10,7 +10,9 @@ and ``fetch_only``: the objects of an epoch fetched by the client without decodi
 ``--local-s3`` starts moto's S3 server on 127.0.0.1 (``fastpar.data.remote.local_s3``, in its own process),
 seeded with the generated images; then the ``srv_CPU%`` column is that server's CPU (on this machine it
 competes with decoding for the same cores) and ``GETs`` counts the object requests it served per epoch.
-A ``--root`` URL is copied to a local folder first, for the ``local_*`` rows. An ``s3_*`` row faster than
+A ``--root`` URL is copied to a private local folder first, for the ``local_*`` rows; a key that cannot
+name a file below it (an empty, ``.`` or ``..`` component) stops the run with one line, and nothing is
+written outside it. The URL is shown, and kept in the JSON, without its credentials. An ``s3_*`` row faster than
 ``fetch_only`` (what the wire delivers without decoding) is flagged, and its goal is IMPOSSIBLE.
 """
 
@@ -29,7 +31,9 @@ import torch
 
 from ..._optional import available
 from ...data.remote.store import StoreOptions
-from ...data.remote.urls import is_url
+from ...data.remote.urls import ObjectURL, is_url
+from ...safe_files import write_new
+from ...user_errors import redact_url
 from ..context import BenchContext
 from ..goals import AT_LEAST, Goal, Verdict, beyond_floor
 from ..harness import BenchUsageError, Plan, WrongResultError, median
@@ -50,17 +54,18 @@ def _server_cpu(server) -> float:
 
 
 def _download(url: str, dest: Path) -> Path:
-    """Copy the objects under ``url`` into ``dest`` (class folders kept), for the local rows."""
-    from ...data.remote.folder import scan_object_folder
+    """Copy the objects under ``url`` into ``dest`` (class folders kept), for the local rows. Each key is
+    checked to name a path below ``dest`` (``relative_key``), and each file is new: nothing is followed."""
+    from ...data.remote.folder import relative_key, scan_object_folder
     from ...data.remote.store import open_store
 
     store = open_store(url, StoreOptions())
     folder = scan_object_folder(store)
 
     def copy(info) -> None:
-        path = dest / info.key[len(store.base) :]
+        path = dest.joinpath(*relative_key(info.key, store.base, str(store.url)))
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(store.get(info))
+        write_new(path, store.get(info))
 
     with ThreadPoolExecutor(StoreOptions().max_requests) as pool:
         list(pool.map(copy, folder.objects))
@@ -227,7 +232,7 @@ def _report(
     images = len(loaders[next(iter(loaders))].folder)
     return BenchReport(
         benchmark="data",
-        title=f"image loading from {url} vs a local folder, decode + random resized crop {flags.size} + flip + normalise",
+        title=f"image loading from {redact_url(url)} vs a local folder, decode + random resized crop {flags.size} + flip + normalise",
         columns=[
             Column("pipeline", "pipeline", 18),
             Column("images_per_s", "images/s", 10, ".1f", "1/s"),
@@ -238,7 +243,7 @@ def _report(
         ],
         rows=rows,
         header={
-            "store": f"{url} ({images} images; local copy {root})"
+            "store": f"{redact_url(url)} ({images} images; local copy {root})"
             + (" on a local moto server" if local_server else ""),
             "device": str(device),
             "batch": str(flags.batch),
@@ -267,3 +272,8 @@ def check(ctx: BenchContext) -> None:
         raise BenchUsageError("--local-s3 needs moto's server: pip install 'fastpar[s3-test]'")
     if not available("boto3"):
         raise BenchUsageError("reading s3:// needs boto3: pip install 'fastpar[s3]'")
+    if ctx.flags.root:
+        try:
+            ObjectURL.parse(ctx.flags.root)
+        except ValueError as exc:  # a typo or credentials in the URL: one line, before anything starts
+            raise BenchUsageError(f"--root: {exc}") from None

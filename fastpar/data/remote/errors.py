@@ -1,19 +1,43 @@
 """Errors of object-store data: each says which bucket/object, what went wrong and what to do.
 
 They subclass the OSError a local folder would raise in the same situation (FileNotFoundError,
-PermissionError), so code that handles a missing folder handles a missing bucket too.
+PermissionError), so code that handles a missing folder handles a missing bucket too. No message holds a
+credential: URLs in them are redacted (``fastpar.user_errors.redact_url``), and so are the messages of the
+client's exceptions they are raised from (``scrub``), which a traceback shows too.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ...user_errors import UserError
+from ...user_errors import UserError, redact_url
 from .urls import ObjectURL
 
 
 class ObjectStoreError(OSError, UserError):
     """Reading data from an object store failed (the ``fastpar`` command shows it as one line)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_url(message))
+
+
+class UnsafeObjectKeyError(ObjectStoreError, ValueError):
+    """An object's key cannot name a file below a local folder (an empty, ``.`` or ``..`` component)."""
+
+
+def scrub(exc: BaseException) -> BaseException:
+    """``exc`` and the exceptions chained to it with the URLs in their messages redacted, in place: a client's
+    error quotes the request URL, endpoint userinfo included, and a traceback prints every link of the chain."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.args = tuple(redact_url(a) if isinstance(a, str) else a for a in link.args)
+        kwargs = getattr(link, "kwargs", None)  # botocore rebuilds its message from these when pickled
+        if isinstance(kwargs, dict):
+            link.kwargs = {k: redact_url(v) if isinstance(v, str) else v for k, v in kwargs.items()}
+        link = link.__cause__ or link.__context__
+    return exc
 
 
 class BucketNotFoundError(ObjectStoreError, FileNotFoundError):

@@ -4,6 +4,10 @@ The listing happens once: on rank 0 when a process group is up (every rank then 
 plan by broadcast, so N ranks do not each list a million objects, and all ranks raise rank 0's error
 if the listing failed), else in this process. Keys are ordered like the local scan orders paths (by
 path components), so the same images in a local folder and in a bucket give the same plan.
+
+A key is a name chosen by whoever may write to the bucket, not a path: one with an empty, ``.`` or ``..``
+component (``train//tmp/x.jpg``, ``train/../x.jpg``) would name a file outside any folder it is copied
+into, so the listing refuses it (``relative_key``), and so does every place that turns a key into a path.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..folder import ImageFolder, sort_image_files
-from .errors import ObjectStoreError
+from .errors import ObjectStoreError, UnsafeObjectKeyError
 from .store import FsspecStore, ObjectInfo, S3Store
 from .urls import ObjectURL
 
@@ -26,6 +30,19 @@ class ObjectImageFolder(ImageFolder):
     objects: list[ObjectInfo] = field(default_factory=list, repr=False)
 
 
+def relative_key(key: str, base: str, where: str) -> list[str]:
+    """The components of ``key`` below the listed prefix ``base``: names a path may be built from, or an
+    UnsafeObjectKeyError naming the key. ``where`` (the listed URL) is for the message."""
+    parts = key[len(base) :].split("/")
+    if any(part in ("", ".", "..") or "\0" in part for part in parts):
+        raise UnsafeObjectKeyError(
+            f"object key {key!r} under {where} has an empty, '.' or '..' path component (a '//', or a leading "
+            "'/'): it names no file below a folder, so fastpar will not read or copy it. Rename the object to "
+            "prefix/<class>/<image>, or list a prefix without it"
+        )
+    return parts
+
+
 def scan_object_folder(store: S3Store | FsspecStore, *, strict: bool = True) -> ObjectImageFolder:
     """List ``store``'s prefix and apply the local folder's rules (classes, suffixes, hidden files)."""
     url: ObjectURL = store.url
@@ -35,8 +52,10 @@ def scan_object_folder(store: S3Store | FsspecStore, *, strict: bool = True) -> 
     by_url: dict[str, ObjectInfo] = {}
     loose = 0
     for info in listed:
-        parts = info.key[len(store.base) :].split("/")
-        if not parts[-1] or any(p.startswith(".") for p in parts):  # "folder/" markers and hidden files
+        if info.key.endswith("/"):  # "folder/" markers: no data
+            continue
+        parts = relative_key(info.key, store.base, root)
+        if any(p.startswith(".") for p in parts):  # hidden files and folders, as in a local folder
             continue
         if len(parts) == 1:
             loose += 1
@@ -88,4 +107,4 @@ def list_once(store: S3Store | FsspecStore, *, strict: bool, world_size: int) ->
     return value
 
 
-__all__ = ["ObjectImageFolder", "list_once", "scan_object_folder"]
+__all__ = ["ObjectImageFolder", "list_once", "relative_key", "scan_object_folder"]

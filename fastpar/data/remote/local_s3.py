@@ -42,7 +42,9 @@ _SLOW_DOWN = (
 )
 _POLICIES = {
     "reader": {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
-    "lister": {"Effect": "Allow", "Action": "s3:ListBucket", "Resource": "*"},
+    # AWS authorises listing as s3:ListBucket; moto >= 5.2 checks the operation's name instead (ListObjectsV2,
+    # ListObjects), so the lister is granted all three: on either moto it may list and still not read
+    "lister": {"Effect": "Allow", "Action": ["s3:ListBucket", "s3:ListObjectsV2", "s3:ListObjects"], "Resource": "*"},
 }
 
 

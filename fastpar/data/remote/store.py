@@ -2,7 +2,8 @@
 
 Credentials come from the client's standard chain (for S3: environment variables, the shared
 credentials/config files and ``AWS_PROFILE``, container and instance roles) and are never logged; errors
-name only where they came from. The endpoint is ``StoreOptions.endpoint_url``, else ``AWS_ENDPOINT_URL_S3`` /
+name only where they came from, and show URLs (the endpoint's too) with any userinfo or secret query
+parameter redacted. The endpoint is ``StoreOptions.endpoint_url``, else ``AWS_ENDPOINT_URL_S3`` /
 ``AWS_ENDPOINT_URL`` (read by boto3 itself), else AWS. A custom endpoint (MinIO, Ceph, a local test server)
 is addressed path-style (``http://host:port/bucket/key``), which every S3-compatible store serves.
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..._optional import require
+from ...user_errors import redact_url
 from .errors import (
     BucketNotFoundError,
     ObjectReadError,
@@ -31,6 +33,7 @@ from .errors import (
     StoreAccessError,
     StoreUnreachableError,
     s3_error,
+    scrub,
 )
 from .urls import ObjectURL
 
@@ -118,6 +121,7 @@ def retrying(call: Callable[[], T], what: str, options: StoreOptions, stats: Sto
             return call()
         except _Retryable as failure:
             if attempt == options.retries:
+                scrub(failure.cause)
                 elapsed = time.monotonic() - start
                 raise ObjectReadError(
                     f"gave up on {what} after {attempt + 1} attempts over {elapsed:.1f} s: "
@@ -167,9 +171,10 @@ class S3Store:
 
     @property
     def endpoint(self) -> str:
-        """Where requests go, for messages: the explicit endpoint, the environment's, or AWS."""
+        """Where requests go, for messages (credentials redacted): the explicit endpoint, the environment's, or AWS."""
         o = self.options
-        return o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+        url = o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        return redact_url(url) if url else "AWS S3"
 
     def client(self) -> Any:
         with self._lock:
@@ -178,7 +183,7 @@ class S3Store:
             return self._client
 
     def _make_client(self) -> Any:
-        boto3 = require("boto3", extra="s3", purpose=f"reading {self.url}")
+        boto3 = require("boto3", extra="s3", purpose=f"reading {self.url}")  # str(ObjectURL) is redacted
         from botocore import UNSIGNED
         from botocore.config import Config
 
@@ -224,8 +229,8 @@ class S3Store:
             error = exc.response.get("Error", {})
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if error.get("Code") in self.RETRY_CODES or status >= 500:
-                raise _Retryable(exc) from exc
-            raise s3_error(exc, what, self.url, self.endpoint, self.credential_source) from exc
+                raise _Retryable(scrub(exc)) from exc
+            raise s3_error(exc, what, self.url, self.endpoint, self.credential_source) from scrub(exc)
         except NoCredentialsError as exc:
             raise StoreAccessError(
                 f"no AWS credentials found for {what}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE "
@@ -233,6 +238,7 @@ class S3Store:
                 "StoreOptions(anonymous=True)"
             ) from exc
         except EndpointConnectionError as exc:
+            scrub(exc)  # its message quotes the request URL, endpoint userinfo included
             if self.reached or "refused" not in str(exc.kwargs.get("error", "")).lower():
                 raise _Retryable(exc) from exc  # a server that answered before (restarting?), a timeout: may pass
             raise StoreUnreachableError(  # nothing has ever listened there: retrying won't change that
@@ -240,7 +246,10 @@ class S3Store:
                 "endpoint (AWS_ENDPOINT_URL or endpoint_url=)"
             ) from exc
         except (TransportError, HTTPClientError, IncompleteReadError) as exc:  # reset, timed out, cut off
-            raise _Retryable(exc) from exc
+            raise _Retryable(scrub(exc)) from exc
+        except Exception as exc:  # anything else is raised as it is, without the endpoint's credentials
+            scrub(exc)
+            raise
 
     def list(self) -> list[ObjectInfo]:
         """Every object under the prefix, in pages of 1000 (each page retried on its own)."""
@@ -300,9 +309,9 @@ class FsspecStore:
     """Any other fsspec URL (gs://, az://, memory://, ...): listed with ``find``, read with ``cat_file``."""
 
     def __init__(self, url: str, options: StoreOptions):
-        fsspec = require("fsspec", extra="s3", purpose=f"reading {url}")
+        fsspec = require("fsspec", extra="s3", purpose=f"reading {redact_url(url)}")
         self.fs, self.path = fsspec.core.url_to_fs(url, **options.fsspec_kwargs)
-        self.url, self.options, self.stats, self.endpoint = ObjectURL.parse(url), options, StoreStats(), url
+        self.url, self.options, self.stats, self.endpoint = ObjectURL.parse(url), options, StoreStats(), redact_url(url)
         self.base = self.path.rstrip("/") + "/"
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
@@ -310,11 +319,14 @@ class FsspecStore:
         try:
             return fn()
         except FileNotFoundError as exc:
-            raise BucketNotFoundError(f"{what}: {exc}") from exc
+            raise BucketNotFoundError(f"{what}: {exc}") from scrub(exc)
         except PermissionError as exc:
-            raise StoreAccessError(f"access denied {what}: {exc}") from exc
+            raise StoreAccessError(f"access denied {what}: {exc}") from scrub(exc)
         except (OSError, TimeoutError) as exc:
-            raise _Retryable(exc) from exc
+            raise _Retryable(scrub(exc)) from exc
+        except Exception as exc:  # raised as it is, without credentials a URL in its message may hold
+            scrub(exc)
+            raise
 
     def list(self) -> list[ObjectInfo]:
         found = retrying(

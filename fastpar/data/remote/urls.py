@@ -1,10 +1,17 @@
-"""Data locations given as URLs (``s3://bucket/prefix``, other fsspec URLs) rather than local folders."""
+"""Data locations given as URLs (``s3://bucket/prefix``, other fsspec URLs) rather than local folders.
+
+A URL is shown (``str(ObjectURL)``, error messages) with its credentials redacted: an fsspec URL may carry
+a password or token (``ftp://user:pass@host``, ``?token=``); an ``s3://`` URL never does (credentials come
+from the AWS chain), so userinfo in one is refused.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from ...user_errors import redact_url
 
 # "scheme://": two or more letters, so a Windows drive ("C:\\data") is never taken for one
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://(.*)$")
@@ -37,20 +44,26 @@ class ObjectURL:
     @classmethod
     def parse(cls, url: str) -> ObjectURL:
         match = _URL.match(url)
+        shown = redact_url(url)
         if not match:
-            raise ValueError(f"{url!r} is not a URL: expected scheme://bucket/prefix, e.g. s3://my-bucket/train")
+            raise ValueError(f"{shown!r} is not a URL: expected scheme://bucket/prefix, e.g. s3://my-bucket/train")
         scheme, rest = match.group(1).lower(), match.group(2)
         bucket, _, prefix = rest.partition("/")
         if not bucket:
-            raise ValueError(f"{url!r} names no bucket: expected {scheme}://bucket/prefix")
+            raise ValueError(f"{shown!r} names no bucket: expected {scheme}://bucket/prefix")
+        if scheme in ("s3", "s3a") and ("@" in bucket or ":" in bucket):  # user:password@ (no bucket has either)
+            raise ValueError(
+                f"{shown!r} holds credentials: an s3:// URL takes none; set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) instead, and pass s3://bucket/prefix"
+            )
         if scheme in ("s3", "s3a") and not _BUCKET.match(bucket):
             raise ValueError(
-                f"{bucket!r} in {url!r} is not a valid S3 bucket name (3-63 lowercase letters, digits, '.' and '-')"
+                f"{bucket!r} in {shown!r} is not a valid S3 bucket name (3-63 lowercase letters, digits, '.' and '-')"
             )
         return cls("s3" if scheme == "s3a" else scheme, bucket, prefix.strip("/"))
 
     def key_url(self, key: str) -> str:
-        """The URL of one object of this bucket."""
+        """The URL of one object of this bucket (to read it: credentials kept; show it through ``redact_url``)."""
         return f"{self.scheme}://{self.bucket}/{key}"
 
     @property
@@ -59,4 +72,5 @@ class ObjectURL:
         return f"{self.prefix}/" if self.prefix else ""
 
     def __str__(self) -> str:
-        return f"{self.scheme}://{self.bucket}/{self.list_prefix}"
+        """For messages: credentials redacted."""
+        return redact_url(f"{self.scheme}://{self.bucket}/{self.list_prefix}")

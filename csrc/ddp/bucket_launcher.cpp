@@ -1,4 +1,4 @@
-// fastpar._C.GradReady: DDP's per-gradient hot path (fastpar/ddp/reducer.py is the reducer; this is its engine for
+// fastpar._C.BucketLauncher: DDP's per-gradient hot path (fastpar/ddp/reducer.py is the reducer; this is its engine for
 // the common mode). One post hook on each parameter's AccumulateGrad node, registered here as torch's own reducer
 // registers its hooks, so a gradient's arrival costs no Python call. While armed (one synchronised backward with
 // an all-reduce per bucket), a hook marks its parameter ready, counts down its bucket, and launches every bucket
@@ -11,6 +11,8 @@
 #include <ATen/ops/div.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -18,12 +20,16 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "ops/bucket_ops.h"
+#include "shm/shared_buffers.h"
+#include "text.h"
 
 namespace fastpar::ddp {
 namespace {
@@ -72,6 +78,48 @@ struct Slot {
   }
 };
 
+// The message torch's C++ reducer gives when compiled autograd meets its hooks: the same cause, the same remedy.
+constexpr const char* kCompiledAutogradHint =
+    "Compiled autograd is not compatible with C++ DDP Reducer, please use "
+    "torch._dynamo.config.optimize_ddp=\"python_reducer\".";
+
+// Where one gradient became ready on a device with streams: autograd runs a node's backward (and the hook after
+// AccumulateGrad) on the stream its forward ran on, so the gradients of one bucket may come from several streams.
+// The launch reads them all from its own stream, so it waits for each one's event first (torch's reducer copies
+// each gradient in its own hook instead). Python's twin: fastpar.ddp.ready_events.
+class ReadyEvents {
+ public:
+  void resize(size_t n) {
+    events_.resize(n);
+    streams_.assign(n, std::nullopt);
+  }
+  void clear() { std::fill(streams_.begin(), streams_.end(), std::nullopt); }
+
+  // On the stream that produced gradient `index` (the hook's current stream), after anything the hook queued.
+  void record(size_t index, const at::Device& device) {
+    c10::impl::VirtualGuardImpl impl(device.type());
+    const c10::Stream stream = impl.getStream(device);
+    if (!events_[index]) events_[index] = std::make_unique<c10::Event>(device.type());
+    events_[index]->record(stream);
+    streams_[index] = stream;
+  }
+
+  // Before the launch on the current stream reads gradient `index`: order it after its producer's stream, and tell
+  // the caching allocator that the current stream uses `grad` (freed once .grad becomes the bucket view).
+  void wait(size_t index, const at::Device& device, const at::Tensor& grad) const {
+    if (!streams_[index]) return;
+    c10::impl::VirtualGuardImpl impl(device.type());
+    const c10::Stream current = impl.getStream(device);
+    if (*streams_[index] == current) return;  // one stream: already in order
+    events_[index]->block(current);
+    if (grad.defined() && grad.has_storage()) impl.recordDataPtrOnStream(grad.storage().data_ptr(), current);
+  }
+
+ private:
+  std::vector<std::unique_ptr<c10::Event>> events_;
+  std::vector<std::optional<c10::Stream>> streams_;
+};
+
 struct Bucket {
   at::Tensor comm_flat;
   at::Tensor grad_flat;  // undefined without bucket views
@@ -108,7 +156,7 @@ class Packer {
 #ifdef FASTPAR_WITH_CUDA
     if (flat_.is_cuda()) return scaled_copy_cuda(spans, scale, false, flat_.device());
 #endif
-    TORCH_CHECK(flat_.is_cpu(), "fastpar DDP: the extension's gradient path has no kernels for ", flat_.device());
+    TORCH_CHECK(flat_.is_cpu(), text("fastpar DDP: the extension's gradient path has no kernels for ", flat_.device()));
     scaled_copy_cpu(spans, scale, false);
   }
 
@@ -120,21 +168,25 @@ class Packer {
   bool kernel_ok_ = true;
 };
 
-class GradReady {
+class BucketLauncher {
  public:
-  GradReady(const std::vector<at::Tensor>& params, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-            py::object on_grad, py::object on_start, py::object on_launched, py::object on_twice)
+  BucketLauncher(const std::vector<at::Tensor>& params, const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+            py::object on_grad, py::object on_start, py::object on_launched, py::object on_twice,
+            py::object on_launch_failed)
       : group_(group),
         on_grad_(std::move(on_grad)),
         on_start_(std::move(on_start)),
         on_launched_(std::move(on_launched)),
-        on_twice_(std::move(on_twice)) {
+        on_twice_(std::move(on_twice)),
+        on_launch_failed_(std::move(on_launch_failed)) {
     slots_.resize(params.size());
     fires_.assign(params.size(), 0);
     staged_.assign(params.size(), false);
+    streams_ = !params.empty() && params[0].device().type() != c10::DeviceType::CPU;
+    if (streams_) ready_events_.resize(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
-      TORCH_CHECK_VALUE(params[i].requires_grad() && params[i].is_leaf(), "fastpar DDP: parameter ", i,
-                        " is not a leaf that requires grad");
+      TORCH_CHECK_VALUE(params[i].requires_grad() && params[i].is_leaf(), text("fastpar DDP: parameter ", i,
+                        " is not a leaf that requires grad"));
       slots_[i].param = params[i];
       auto acc = torch::autograd::impl::grad_accumulator(params[i]);
       hooks_.emplace_back(acc, acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
@@ -142,16 +194,24 @@ class GradReady {
                                              const torch::autograd::variable_list& /*inputs*/) {
                                      on_hook(i);
                                      return outputs;
+                                   },
+                                   [](torch::autograd::CompiledNodeArgs& /*args*/) {
+                                     // torch's own reducer answers compiled autograd with this hint
+                                     TORCH_CHECK(false, kCompiledAutogradHint);
                                    })));
     }
   }
 
-  ~GradReady() { remove_hooks(); }
+  ~BucketLauncher() { remove_hooks(); }
 
   // buckets: [(comm_flat, grad_flat | None, [(slot index, offset, grad_view | None, comm_view, dense), ...]), ...]
   void set_layout(const py::list& buckets) {
     std::vector<Bucket> layout;
     std::vector<Slot> slots = slots_;  // filled here, swapped in under the mutex
+    for (Slot& s : slots) {  // nothing of the last layout stays referenced (an empty list releases it all)
+      s.grad_view = s.comm_view = at::Tensor();
+      s.bucket = -1;
+    }
     for (const auto& item : buckets) {
       auto entry = item.cast<py::tuple>();
       Bucket b;
@@ -160,8 +220,8 @@ class GradReady {
       for (const auto& member : entry[2].cast<py::list>()) {
         auto m = member.cast<py::tuple>();
         const auto index = m[0].cast<int64_t>();
-        TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(slots.size()), "fastpar DDP: slot ", index,
-                          " out of range");
+        TORCH_CHECK_INDEX(index >= 0 && index < static_cast<int64_t>(slots.size()), text("fastpar DDP: slot ", index,
+                          " out of range"));
         Slot& s = slots[index];
         s.bucket = static_cast<int64_t>(layout.size());
         s.offset = m[1].cast<int64_t>();
@@ -186,7 +246,7 @@ class GradReady {
   // `arrival_min` elements (>= 0) are staged as they arrive.
   void arm(double scale, int64_t alias_divisor, int64_t arrival_min) {
     std::lock_guard<std::mutex> lock(mutex_);
-    TORCH_CHECK(!buckets_.empty(), "fastpar DDP: GradReady.arm before set_layout");
+    TORCH_CHECK(!buckets_.empty(), "fastpar DDP: BucketLauncher.arm before set_layout");
     reset_locked();
     scale_ = scale;
     alias_divisor_ = alias_divisor;
@@ -237,6 +297,7 @@ class GradReady {
     arrival_.reserve(slots_.size());
     next_ = 0;
     need_start_ = true;
+    if (streams_) ready_events_.clear();
   }
 
   // Runs on autograd's thread for this device, without the GIL.
@@ -245,13 +306,20 @@ class GradReady {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       armed = armed_;
-      if (armed) std::swap(start, need_start_);
+      start = armed && need_start_;
     }
     // Python is only ever called with the mutex released: it may disarm (an error ends the backward).
     if (!armed) return call_python(on_grad_, index);  // the Python hook: the other modes, no_sync
-    if (start) call_python(on_start_);  // starts the backward's bookkeeping (end-of-backward check) in Python
+    if (start) {
+      // Python's start is idempotent; the flag is cleared only once it has run, so a hook on another device's
+      // thread that arrives meanwhile calls it too instead of running ahead of the bookkeeping it sets up.
+      call_python(on_start_);  // starts the backward's bookkeeping (end-of-backward check) in Python
+      std::lock_guard<std::mutex> lock(mutex_);
+      need_start_ = false;
+    }
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    int64_t first = -1;
+    int64_t first = -1, failed = -1;
+    std::string failure;
     bool twice = false;
     {
       std::unique_lock<std::mutex> lock(mutex_);
@@ -265,10 +333,17 @@ class GradReady {
         arrival_.push_back(static_cast<int64_t>(index));
         Slot& slot = slots_[index];
         if (arrival_min_ >= 0 && slot.numel >= arrival_min_) stage_on_arrival(slot, index);
+        if (streams_) ready_events_.record(index, slot.param.device());  // after the staging it queued
         if (--buckets_[slot.bucket].pending == 0 && slot.bucket == next_) {
           first = next_;
           while (next_ < static_cast<int64_t>(buckets_.size()) && buckets_[next_].pending == 0) {
-            works.push_back(launch(buckets_[next_]));
+            try {
+              works.push_back(launch(buckets_[next_]));
+            } catch (const std::exception& e) {  // the collectives already issued still go to Python, below
+              failed = next_;
+              failure = e.what();
+              break;
+            }
             ++next_;
           }
         }
@@ -281,6 +356,8 @@ class GradReady {
       for (auto& w : works) handles.append(py::cast(w));
       call_locked_gil(on_launched_, first, handles);
     }
+    // Python waits for what went out, ends the backward and raises this cause (not, later, a confusing one).
+    if (failed >= 0) call_python(on_launch_failed_, failed, failure);
   }
 
   void stage_on_arrival(Slot& slot, size_t index) {
@@ -315,6 +392,9 @@ class GradReady {
   c10::intrusive_ptr<c10d::Work> launch(Bucket& b) {
     at::NoGradGuard no_grad;
     const bool in_place = b.grad_flat.defined() && b.comm_flat.is_same(b.grad_flat);
+    if (streams_) {
+      for (int64_t index : b.slots) ready_events_.wait(index, b.comm_flat.device(), slots_[index].param.grad());
+    }
     Packer packer(b.comm_flat, scale_);
     int64_t run_start = -1, run_end = -1;  // consecutive gradients already in place: one mul_/div_
     auto flush_in_place = [&]() {
@@ -358,6 +438,7 @@ class GradReady {
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
     std::vector<at::Tensor> tensors{b.comm_flat};
+    fastpar::shm::BucketCollectiveScope bucket_collective;  // a bucket in shared memory takes the shared protocol
     return group_->allreduce(tensors, opts);
   }
 
@@ -379,7 +460,7 @@ class GradReady {
   }
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
-  py::object on_grad_, on_start_, on_launched_, on_twice_;
+  py::object on_grad_, on_start_, on_launched_, on_twice_, on_launch_failed_;
   std::vector<Slot> slots_;
   std::vector<Bucket> buckets_;
   std::vector<std::pair<AccumulatorPtr, uintptr_t>> hooks_;
@@ -391,6 +472,8 @@ class GradReady {
   int64_t next_ = 0;
   bool armed_ = false;
   bool need_start_ = true;
+  bool streams_ = false;  // the parameters' device orders work by streams (not the CPU)
+  ReadyEvents ready_events_;
   double scale_ = 1.0;
   int64_t alias_divisor_ = 0;
   int64_t arrival_min_ = -1;
@@ -399,20 +482,20 @@ class GradReady {
 }  // namespace
 
 void bind(py::module_& m) {
-  py::class_<GradReady>(m, "GradReady",
+  py::class_<BucketLauncher>(m, "BucketLauncher",
                         "DDP's per-gradient hot path: AccumulateGrad post hooks, bucket bookkeeping and launches")
       .def(py::init<const std::vector<at::Tensor>&, const c10::intrusive_ptr<c10d::ProcessGroup>&, py::object,
-                    py::object, py::object, py::object>(),
+                    py::object, py::object, py::object, py::object>(),
            py::arg("params"), py::arg("group"), py::arg("on_grad"), py::arg("on_start"), py::arg("on_launched"),
-           py::arg("on_twice"))
-      .def("set_layout", &GradReady::set_layout, py::arg("buckets"))
-      .def("arm", &GradReady::arm, py::arg("scale"), py::arg("alias_divisor"), py::arg("arrival_min"),
+           py::arg("on_twice"), py::arg("on_launch_failed"))
+      .def("set_layout", &BucketLauncher::set_layout, py::arg("buckets"))
+      .def("arm", &BucketLauncher::arm, py::arg("scale"), py::arg("alias_divisor"), py::arg("arrival_min"),
            py::call_guard<py::gil_scoped_release>())
-      .def("disarm", &GradReady::disarm, py::call_guard<py::gil_scoped_release>())
-      .def("expect_start", &GradReady::expect_start, py::call_guard<py::gil_scoped_release>())
-      .def("arrival_order", &GradReady::arrival_order, py::call_guard<py::gil_scoped_release>())
-      .def("progress", &GradReady::progress, py::call_guard<py::gil_scoped_release>())
-      .def("remove_hooks", &GradReady::remove_hooks);
+      .def("disarm", &BucketLauncher::disarm, py::call_guard<py::gil_scoped_release>())
+      .def("expect_start", &BucketLauncher::expect_start, py::call_guard<py::gil_scoped_release>())
+      .def("arrival_order", &BucketLauncher::arrival_order, py::call_guard<py::gil_scoped_release>())
+      .def("progress", &BucketLauncher::progress, py::call_guard<py::gil_scoped_release>())
+      .def("remove_hooks", &BucketLauncher::remove_hooks);
 }
 
 }  // namespace fastpar::ddp

@@ -1,4 +1,4 @@
-"""Where DDP's per-gradient hot path runs: in the extension (``fastpar._C.GradReady``) or in Python hooks.
+"""Where DDP's per-gradient hot path runs: in the extension (``fastpar._C.BucketLauncher``) or in Python hooks.
 
 With the compiled extension serving the parameters' device (``fastpar.ext_status()``: the prebuilt or JIT-built
 ``fastpar._C``), each parameter's AccumulateGrad node gets a C++ post hook, as torch's own reducer registers
@@ -9,7 +9,7 @@ them. In the common mode -- one all-reduce per bucket, no comm hook or bucket co
 and takes the arrival order at the end. Every other step, the C++ hook calls the reducer's Python hook, which
 handles all modes. Without the
 extension (the CuPy or pure-torch tiers) the Python hook is registered directly and runs every step.
-:meth:`fastpar.ddp.reducer.Reducer._hot_path_in_extension` is the one switch between them, per backward.
+:meth:`fastpar.ddp.reducer.Reducer._hooks_in_extension` is the one switch between them, per backward.
 
 ``FASTPAR_DDP_HOT_PATH=python`` keeps the Python hooks even when the extension is there (to rule it out).
 """
@@ -30,14 +30,14 @@ __all__ = ["attach", "layout"]
 _EXTENSION_TIERS = ("compiled", "jit")
 
 
-def _grad_ready_class(device: torch.device):
-    """``fastpar._C.GradReady`` when the extension serves tensors on ``device``, else None."""
+def _bucket_launcher_class(device: torch.device):
+    """``fastpar._C.BucketLauncher`` when the extension serves tensors on ``device``, else None."""
     if os.environ.get("FASTPAR_DDP_HOT_PATH", "auto") == "python":
         return None
     name, module = loader.kernels_for(device)
     if name not in _EXTENSION_TIERS:
         return None
-    return getattr(module, "GradReady", None)  # None: an extension built from older sources
+    return getattr(module, "BucketLauncher", None)  # None: an extension built from older sources
 
 
 def attach(
@@ -47,20 +47,21 @@ def attach(
     on_start: Callable[[], None],
     on_launched: Callable[[int, list], None],
     on_twice: Callable[[int], None],
+    on_launch_failed: Callable[[int, str], None],
 ):
-    """Hooks on every parameter's AccumulateGrad node from C++: a ``GradReady``, or None when the hot path stays
+    """Hooks on every parameter's AccumulateGrad node from C++: a ``BucketLauncher``, or None when the hot path stays
     in Python (then the caller registers Python hooks). The callbacks must not keep the reducer alive."""
-    grad_ready = _grad_ready_class(params[0].device)
-    if grad_ready is None:
+    launcher = _bucket_launcher_class(params[0].device)
+    if launcher is None:
         return None
     try:
-        return grad_ready(list(params), group, on_grad, on_start, on_launched, on_twice)
+        return launcher(list(params), group, on_grad, on_start, on_launched, on_twice, on_launch_failed)
     except TypeError:  # a process group torch's C++ cannot see (a Python-only stand-in): Python hooks serve it
         return None
 
 
 def layout(buckets: Sequence[Bucket]) -> list[tuple]:
-    """The buckets as ``GradReady.set_layout`` takes them: buffers, and each member's place in them."""
+    """The buckets as ``BucketLauncher.set_layout`` takes them: buffers, and each member's place in them."""
     return [
         (b.comm_flat, b.grad_flat, [(s.index, s.offset, s.grad_view, s.comm_view, s.dense) for s in b.slots])
         for b in buckets
