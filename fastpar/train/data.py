@@ -40,7 +40,7 @@ def describe(data: Any) -> str:
         return "arrays"
     if isinstance(data, Dataset) and hasattr(data, "__len__") and not hasattr(data, "__iter__"):
         return "dataset"
-    if hasattr(data, "__iter__"):
+    if hasattr(data, "__iter__") and not isinstance(data, type):  # a loader class is a factory, not a loader
         return "loader"
     if callable(data):
         return "factory"

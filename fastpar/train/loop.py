@@ -2,8 +2,9 @@
 calls the output functions and writes checkpoints.
 
 One step: ``grad_accum_steps`` batches forward/backward (gradient sync only on the last one), clip,
-optimizer step, scheduler step. Loss and accuracy are summed on the device and reduced across ranks
-only on logged steps, so an ordinary step has no CPU-GPU sync and no extra collective.
+optimizer step, scheduler step. Loss, accuracy (classification only), samples, tokens and the metrics a
+``loss_from_batch`` function returns are summed on the device and reduced across ranks only on logged steps,
+so an ordinary step has no CPU-GPU sync and no extra collective. (What a batch and its loss are: batches.py.)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from . import checkpoint as ckpt
 from . import resume
+from .batches import Objective, StepResult, to_device
 from .data import batches_per_epoch, make_loader
 from .job import Job, build_model, build_optimizer, ddp_choice
 from .loggers import open_loggers
@@ -42,6 +44,7 @@ INFO_KEYS = (
     "lr",
     "elapsed",
     "samples_per_s",
+    "tokens_per_s",
     "max_epochs",
     "total_steps",
 )
@@ -58,8 +61,12 @@ def _floating_dtype(module: torch.nn.Module) -> torch.dtype:
     return floating[0] if floating else torch.get_default_dtype()
 
 
-def _classification(out: torch.Tensor, y: Any) -> bool:
-    return torch.is_tensor(y) and out.ndim == 2 and y.ndim == 1 and not y.is_floating_point()
+def _classification(out: Any, y: Any) -> bool:
+    return torch.is_tensor(out) and torch.is_tensor(y) and out.ndim == 2 and y.ndim == 1 and not y.is_floating_point()
+
+
+# the window of summed metrics: loss x samples, correct predictions, samples, tokens (then the returned metrics)
+_LOSS, _CORRECT, _SAMPLES, _TOKENS = range(4)
 
 
 class Run:
@@ -68,6 +75,8 @@ class Run:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.model_state_bytes: dict[str, int] | None = None  # measured at this call's first step (largest rank)
         self.is_main = rank == 0
+        self.objective = Objective(job.loss_fn)
+        self.metric_names: list[str] | None = None  # what the loss returns beside itself, fixed at the first batch
         opts = self.opts
 
         threads = opts.data_threads if opts.data_threads is not None else (None if device.type == "cuda" else 0)
@@ -146,7 +155,7 @@ class Run:
         return plan_sharding(
             module,
             optimizer,
-            self.job.loss_fn,
+            self.objective,
             example,
             strategy,
             self.opts.memory_budget_bytes,
@@ -155,7 +164,7 @@ class Run:
             self.device,
         )
 
-    def _example_batch(self, module: torch.nn.Module | None = None) -> tuple[Any, Any]:
+    def _example_batch(self, module: torch.nn.Module | None = None) -> Any:
         """The first training batch (as rank 0 of one process would read it), on this device."""
         if module is None:
             _seed_everything(self.opts.seed)
@@ -238,7 +247,8 @@ class Run:
         return self.elapsed_before + time.perf_counter() - self.started
 
     def _reset_window(self) -> None:
-        self.window = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, samples
+        extra = len(self.metric_names or ())
+        self.window = torch.zeros(4 + extra, dtype=torch.float64, device=self.device)  # _LOSS.. then metrics
         self.window_start = time.perf_counter()
         self.is_classifier = None
         self._mark_step()
@@ -253,50 +263,65 @@ class Run:
             dist.all_reduce(values)
         return values.tolist()  # CPU-GPU sync point (logged steps, and every step when output_fns are set)
 
-    def _batch(self, batch: Any, module_dtype: torch.nn.Module | None = None) -> tuple[Any, Any]:
-        """``(x, y)`` on this device; floating inputs/targets in the model's dtype (numpy gives float64),
-        integer targets as int64 (what the classification losses take)."""
-        try:
-            x, y = batch
-        except (TypeError, ValueError):
-            raise TypeError(
-                f"each batch must be a pair (inputs, targets), got {type(batch).__name__}; make the loader yield (x, y)"
-            ) from None
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+    def _batch(self, batch: Any, module_dtype: torch.nn.Module | None = None) -> Any:
+        """The batch on this device, floating tensors in the model's dtype (numpy gives float64)."""
         dtype = self.input_dtype if module_dtype is None else _floating_dtype(module_dtype)
-        if x.is_floating_point() and x.dtype != dtype:
-            x = x.to(dtype)
-        if y.is_floating_point() and y.dtype != dtype:
-            y = y.to(dtype)
-        elif not y.is_floating_point() and y.dtype not in (torch.int64, torch.bool):
-            y = y.long()
-        return x, y
+        return to_device(batch, self.device, dtype)
+
+    def _fix_metric_names(self, result: StepResult) -> None:
+        """The first batch fixes the metric names every window holds (and reduces, alike on every rank)."""
+        if self.metric_names is None:
+            self.metric_names = sorted(result.metrics)
+            grow = self.window.new_zeros(len(self.metric_names))
+            self.window, self.step_mark = torch.cat([self.window, grow]), torch.cat([self.step_mark, grow])
+
+    def _add(self, window: torch.Tensor, result: StepResult) -> None:
+        """Add one micro-batch's numbers to a window (on the device: no sync)."""
+        if sorted(result.metrics) != self.metric_names:
+            raise ValueError(
+                f"the loss returned metrics {sorted(result.metrics)}, earlier {self.metric_names}; return the same "
+                "names for every batch"
+            )
+        samples = result.samples
+        window[_LOSS] += result.loss.detach().double() * samples
+        if _classification(result.outputs, result.targets):
+            window[_CORRECT] += (result.outputs.argmax(1) == result.targets).sum()
+        window[_SAMPLES] += samples
+        window[_TOKENS] += result.tokens or 0
+        for i, name in enumerate(self.metric_names):
+            window[4 + i] += result.metrics[name] * samples
+
+    def _means(self, values: list[float], prefix: str = "") -> dict[str, float]:
+        """The reduced window's per-sample means of the returned metrics."""
+        count = max(values[_SAMPLES], 1)
+        return {prefix + name: values[4 + i] / count for i, name in enumerate(self.metric_names or ())}
 
     def _validate(self) -> dict[str, float]:
         self.model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)
+        totals = None
         classifier = False
         if hasattr(self.val_loader, "set_epoch"):
             self.val_loader.set_epoch(0)
-        extra, x = self._agreed_validation_padding(), None
+        extra, batch = self._agreed_validation_padding(), None
         with torch.no_grad(), self.autocast():
             for batch in self.val_loader:
-                x, y = self._batch(batch)
-                out = self.model(x)  # the bare module: no DDP hooks or buffer broadcasts in evaluation
-                totals[0] += self.job.loss_fn(out, y).double() * len(y)
-                if _classification(out, y):
-                    classifier = True
-                    totals[1] += (out.argmax(1) == y).sum()
-                totals[2] += len(y)
+                batch = self._batch(batch)
+                # the bare module: no DDP hooks or buffer broadcasts in evaluation
+                result = self.objective(self.model, batch, self.device)
+                classifier = classifier or _classification(result.outputs, result.targets)
+                self._fix_metric_names(result)
+                totals = torch.zeros_like(self.window) if totals is None else totals
+                self._add(totals, result)
             for _ in range(extra):  # FSDP2: every rank must take part in as many forwards' all-gathers
-                if x is None:  # this rank's shard of the validation data is empty
-                    x, _ = self._batch(next(iter(self.val_loader)))
-                self.model(x)
+                if batch is None:  # this rank's shard of the validation data is empty
+                    batch = self._batch(next(iter(self.val_loader)))
+                self.objective(self.model, batch, self.device)
         self.model.train()
-        loss_sum, correct, count = self._reduce(totals)
-        result = {"val_loss": loss_sum / max(count, 1)}
+        values = self._reduce(torch.zeros_like(self.window) if totals is None else totals)
+        count = max(values[_SAMPLES], 1)
+        result = {"val_loss": values[_LOSS] / count, **self._means(values, "val_")}
         if classifier:
-            result["val_accuracy"] = correct / max(count, 1)
+            result["val_accuracy"] = values[_CORRECT] / count
         return result
 
     def _agreed_validation_padding(self) -> int:
@@ -309,19 +334,25 @@ class Run:
         return max(counts) - counts[self.rank]
 
     def _record(self, sums: torch.Tensor, seconds: float) -> dict[str, Any] | None:
-        """All ranks' (loss sum, correct, samples) reduced into a record on rank 0 (None elsewhere)."""
-        loss_sum, correct, count = self._reduce(sums)
+        """All ranks' window (loss sum, correct, samples, tokens, metrics) reduced into a record on rank 0 (None
+        elsewhere)."""
+        values = self._reduce(sums)
         if not self.is_main:
             return None
-        return {
+        count, tokens = values[_SAMPLES], values[_TOKENS]
+        record = {
             "epoch": self.epoch,
             "iteration": self.step,
-            "loss": loss_sum / max(count, 1),
-            "accuracy": correct / count if self.is_classifier and count else None,
+            "loss": values[_LOSS] / max(count, 1),
+            "accuracy": values[_CORRECT] / count if self.is_classifier and count else None,
             "lr": float(self.optimizer.param_groups[0]["lr"]),
             "elapsed": self.elapsed(),
             "samples_per_s": count / max(seconds, 1e-9),  # training only: validation time excluded
         }
+        if tokens:
+            record["tokens_per_s"] = tokens / max(seconds, 1e-9)
+        record.update(self._means(values))
+        return record
 
     def _log(self, validation: dict[str, float] | None, seconds: float) -> bool:
         """Reduce the window's metrics, record them on rank 0, call output functions; True: stop (all ranks)."""
@@ -423,16 +454,14 @@ class Run:
                 group_size = min(accum, self.batches - group_start)
                 self.batch_in_epoch += 1
                 last_micro = self.batch_in_epoch == group_start + group_size
-                x, y = self._batch(batch)
+                batch = self._batch(batch)
                 with self.strategy.no_sync(last_micro):
-                    out, loss, samples = self.strategy.forward_backward(x, y, 1 / group_size, self.autocast)
+                    result = self.strategy.forward_backward(batch, 1 / group_size, self.autocast)
                 with torch.no_grad():
                     if self.is_classifier is None:
-                        self.is_classifier = out is not None and _classification(out, y)
-                    self.window[0] += loss.detach().double() * samples
-                    if self.is_classifier:
-                        self.window[1] += (out.argmax(1) == y).sum()
-                    self.window[2] += samples
+                        self.is_classifier = _classification(result.outputs, result.targets)
+                    self._fix_metric_names(result)
+                    self._add(self.window, result)
                 if not last_micro:
                     continue
                 self._optimizer_step()

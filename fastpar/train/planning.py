@@ -31,20 +31,10 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
     return name
 
 
-class _LossOnTargets:
-    """The run's loss on the example batch's targets, as the planner calls it: ``loss(output, inputs)``."""
-
-    def __init__(self, loss_fn, targets) -> None:
-        self.loss_fn, self.targets = loss_fn, targets
-
-    def __call__(self, output, _inputs):
-        return self.loss_fn(output, self.targets)
-
-
 def plan_sharding(
     module: torch.nn.Module | None,
     optimizer: torch.optim.Optimizer | None,
-    loss_fn: Any,
+    objective: Any,
     example_batch: Any,
     strategy: str,
     budget: int | None,
@@ -53,10 +43,11 @@ def plan_sharding(
     device: torch.device,
 ) -> tuple[str, dict[str, Any]]:
     """Collective: ``(strategy, its options)`` every rank agrees on; ``module``, ``optimizer`` and ``example_batch``
-    (``(x, y)``) are needed on rank 0 only. ``strategy``: the one asked for ("auto": the planner's choice). Raises OptionError on every rank when it can't fit the memory."""
+    (a batch on the device; ``objective``: the run's :class:`~fastpar.train.batches.Objective`) are needed on
+    rank 0 only. ``strategy``: the one asked for ("auto": the planner's choice). Raises OptionError on every rank when it can't fit the memory."""
     answer: list[Any] = [None]
     if rank == 0:
-        answer[0] = _plan_on_rank0(module, optimizer, loss_fn, example_batch, strategy, budget, world_size, device)
+        answer[0] = _plan_on_rank0(module, optimizer, objective, example_batch, strategy, budget, world_size, device)
     if world_size > 1:
         dist.broadcast_object_list(answer, src=0)
     kind, value = answer[0]
@@ -65,16 +56,18 @@ def plan_sharding(
     return value
 
 
-def _plan_on_rank0(module, optimizer, loss_fn, example_batch, strategy, budget, world_size, device) -> tuple[str, Any]:
+def _plan_on_rank0(
+    module, optimizer, objective, example_batch, strategy, budget, world_size, device
+) -> tuple[str, Any]:
     from ..costmodel.memory_planner import plan_for_module
 
     memory = budget or device_memory(device, world_size)
-    x, y = example_batch
     try:
+        probed, inputs, loss = objective.for_planner(module, example_batch)  # module(inputs), then loss
         plan = plan_for_module(
-            module,
-            x,
-            loss=_LossOnTargets(loss_fn, y),
+            probed,
+            inputs,
+            loss=loss,
             devices=world_size,
             device_memory=memory,
             optimizer=optimizer_kind(optimizer),

@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from ..shard import checkpoint as sharded
 from ..shard.tensor_bytes import storage_bytes
+from ..user_errors import OptionError
+from .batches import Objective, StepResult, token_count
 from .job import Job, build_model, build_optimizer, wrap_ddp
 
 
@@ -32,6 +34,7 @@ class Strategy:
     def __init__(self, job: Job, rank: int, world_size: int, device: torch.device) -> None:
         self.job, self.opts = job, job.options
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.objective = Objective(job.loss_fn)
         self.model = build_model(job.model).to(device)  # the module: evaluation, names, the final state
         self.optimizer = build_optimizer(job.optimizer, self.model)
         self.train_model = wrap_ddp(self.model, self.opts, device) if world_size > 1 else self.model
@@ -52,13 +55,12 @@ class Strategy:
             return contextlib.nullcontext()
         return self.train_model.no_sync()
 
-    def forward_backward(self, x, y, scale: float, autocast) -> tuple[Any, torch.Tensor, int]:
-        """Forward and backward of one micro-batch: (output or None, loss, samples this rank's loss covers)."""
+    def forward_backward(self, batch: Any, scale: float, autocast) -> StepResult:
+        """Forward and backward of one micro-batch (on the device): its loss, samples, tokens and metrics."""
         with autocast():
-            out = self.train_model(x)
-            loss = self.job.loss_fn(out, y)
-        (loss * scale).backward()
-        return out, loss, len(y)
+            result = self.objective(self.train_model, batch, self.device)
+        (result.loss * scale).backward()
+        return result
 
     def clip(self, max_norm: float) -> None:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -193,6 +195,7 @@ class FsdpStrategy(DcpStrategy):
 
         self.job, self.opts = job, job.options
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.objective = Objective(job.loss_fn)
         opts, planned = self.opts, dict(plan_options or {})
         reshard = opts.fsdp_reshard_after_forward
         if reshard is None:
@@ -271,6 +274,14 @@ class PipelineStrategy(DcpStrategy):
 
         self.job, self.opts = job, job.options
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.objective = Objective(job.loss_fn)
+        if not self.objective.takes_pairs:
+            raise OptionError(
+                "sharding",
+                "sharding='pipeline' splits model(inputs) into stages and computes loss_fn(outputs, targets) on the "
+                "last one, so it takes (inputs, targets) batches with loss_fn(outputs, targets); with "
+                f"loss_fn={self.objective.loss_fn!r} choose sharding 'ddp', 'zero1', 'zero2' or 'fsdp'",
+            )
         opts, planned = self.opts, dict(plan_options or {})
         stages = opts.pipeline_stages or planned.get("stages") or world_size
         if world_size % stages:
@@ -320,12 +331,13 @@ class PipelineStrategy(DcpStrategy):
     def no_sync(self, last_micro: bool):
         return contextlib.nullcontext()  # one batch per step (grad_accum_steps=1): micro-batches inside .step
 
-    def forward_backward(self, x, y, scale: float, autocast) -> tuple[Any, torch.Tensor, int]:
+    def forward_backward(self, batch: Any, scale: float, autocast) -> StepResult:
+        x, y = self.objective.split(batch)
         with autocast():
             loss = self.pipeline.step(x, y)  # forward and backward of every micro-batch, scheduled
         if loss is None:  # not the last stage: its ranks count no samples, so the logged mean is the last stage's
-            return None, torch.zeros((), device=self.device), 0
-        return None, loss.detach(), len(y)
+            return StepResult(torch.zeros((), device=self.device), 0)
+        return StepResult(loss.detach(), len(y), token_count(x))
 
     def clip(self, max_norm: float) -> None:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
@@ -371,7 +383,7 @@ def build_strategy(
     example_batch: Any = None,
 ) -> Strategy:
     """The strategy ``name`` (already resolved from "auto") for this rank. One process: plain training.
-    ``example_batch``: a real ``(x, y)`` batch (pipeline stages are measured and shaped on it)."""
+    ``example_batch``: a real batch on the device (pipeline stages are measured and shaped on its inputs)."""
     if world_size == 1 or name == "ddp":
         return Strategy(job, rank, world_size, device)
     if name in ("zero1", "zero2"):
@@ -379,5 +391,6 @@ def build_strategy(
     if name == "fsdp":
         return FsdpStrategy(job, rank, world_size, device, plan_options)
     if name == "pipeline":
-        return PipelineStrategy(job, rank, world_size, device, plan_options, example_batch[0])
+        example_input = Objective(job.loss_fn).split(example_batch)[0] if example_batch is not None else None
+        return PipelineStrategy(job, rank, world_size, device, plan_options, example_input)
     raise ValueError(f"unknown sharding strategy {name!r}")

@@ -11,6 +11,7 @@ from .. import launcher
 from ..safe_files import folder_mode_for
 from ..user_errors import OptionError
 from . import checkpoint as ckpt
+from .batches import Objective
 from .data import check_exists
 from .environment import resolve
 from .job import Job, OptimizerSpec, build_model, check_picklable
@@ -96,11 +97,15 @@ class Trainer:
 
     - ``model``: an ``nn.Module`` or a factory returning one (each process builds its own).
     - ``optimizer``: an optimizer over ``model.parameters()``, or a factory ``fn(params) -> Optimizer``.
-    - ``loss_fn``: ``loss_fn(output, target) -> scalar tensor``.
-    - ``train_data``: an image folder (class subfolders), ``(x, y)`` arrays (numpy or torch), a torch Dataset,
-      a loader, or a factory ``fn(rank, world_size) -> loader``. A torch DataLoader (default sampler) or a
-      fastpar loader made here is re-planned so each process gets its own shard; floating batches are cast
-      to the model's dtype and integer targets to int64.
+    - ``loss_fn``, one of three forms (:mod:`fastpar.train.batches`): ``loss_fn(outputs, targets) -> scalar``
+      for ``(inputs, targets)`` batches; ``None`` when the model returns its own loss (``model(**batch)`` for a
+      dict batch, e.g. a Hugging Face model given ``labels``); ``fastpar.loss_from_batch(fn)`` with
+      ``fn(model, batch) -> loss`` or ``(loss, {name: scalar})``, whose scalars are logged too.
+    - ``train_data``: an image folder (class subfolders), ``(x, y)`` arrays (numpy or torch), a torch Dataset
+      (its samples may be tuples or dicts), a loader (e.g. ``fastpar.data.token_loader``), or a factory
+      ``fn(rank, world_size) -> loader``. A torch DataLoader (default sampler) or a fastpar loader made here is
+      re-planned so each process gets its own shard. Batches (tensors, tuples, lists, dicts) are moved to the
+      device, floating tensors cast to the model's dtype; ``(inputs, targets)`` integer targets become int64.
 
     Started from a plain ``python train.py`` the trainer launches its own workers, so these objects are
     pickled: define them at module level and guard the entry with ``if __name__ == "__main__":``.
@@ -115,13 +120,23 @@ class Trainer:
             raise TypeError(f"model must be an nn.Module or a factory returning one, got {type(model).__name__}")
         if not (isinstance(optimizer, torch.optim.Optimizer) or callable(optimizer)):
             raise TypeError(f"optimizer must be an Optimizer or a factory fn(params), got {type(optimizer).__name__}")
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {type(loss_fn).__name__}")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(
+                f"loss_fn must be loss_fn(outputs, targets), None (the model returns its loss) or "
+                f"fastpar.loss_from_batch(fn); got {type(loss_fn).__name__}"
+            )
 
     def _check_before_launch(self) -> None:
         """Every error a user can fix, raised here in the launching process before any worker starts."""
         opts = self.options
         opts.validate()
+        if opts.strategy == "pipeline" and not Objective(self.loss_fn).takes_pairs:
+            raise OptionError(
+                "sharding",
+                "sharding='pipeline' computes loss_fn(outputs, targets) on the last stage, so it needs (inputs, "
+                "targets) batches and such a loss_fn; with loss_fn=None or fastpar.loss_from_batch choose 'ddp', "
+                "'zero1', 'zero2', 'fsdp' or 'auto'",
+            )
         check_exists(self.train_data, "train_data")
         if opts.validation_data is not None:
             check_exists(opts.validation_data, "TrainingOptions.validation_data")
