@@ -192,6 +192,13 @@ def test_bad_inputs_are_one_clear_error_before_the_first_step(tmp_path):
         token_loader(empty, seq_len=8, batch_size=1)
     with pytest.raises(TokenDataError, match="matches no files"):
         token_loader(str(tmp_path / "nothing_*.bin"), seq_len=8, batch_size=1, dtype="uint16")
+    (tmp_path / "notes.txt").write_text("not tokens")
+    with pytest.raises(TokenDataError, match=r"matches no .bin or .npy files"):
+        token_loader(str(tmp_path / "*.txt"), seq_len=8, batch_size=1, dtype="uint16")
+    signed = tmp_path / "signed.npy"
+    np.save(signed, np.array([5, 3, -1, 7] * 10, dtype=np.int32))
+    with pytest.raises(TokenDataError, match="negative token id"):
+        next(iter(token_loader(signed, seq_len=8, batch_size=4, shuffle=False)))
     with pytest.raises(TokenDataError, match="no such file"):
         token_loader(tmp_path / "missing.bin", seq_len=8, batch_size=1, dtype="uint16")
     with pytest.raises(TokenDataError, match="not a token dtype"):

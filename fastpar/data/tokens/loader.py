@@ -83,6 +83,11 @@ class TokenLoader:
                 f"{self.vocab_size}: the data was tokenized with another tokenizer, or read with the wrong dtype; "
                 "pass the vocab_size of the tokenizer that wrote it"
             )
+        if int(rows.min()) < 0:  # only a signed .npy can hold one
+            raise TokenDataError(
+                f"a negative token id in {self.source.shards[shard_of[int(np.argwhere(rows < 0)[0][0])]].name}: "
+                "token ids are 0 or more; check how the array was written"
+            )
         inputs, labels = np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
         if self.eot_token is None:
             return self._to_device(torch.from_numpy(inputs)), self._to_device(torch.from_numpy(labels))

@@ -128,9 +128,11 @@ def _open_local(source: str | Path, split: str | None, dtype: np.dtype | None) -
     elif path.is_file():
         files = [path]
     elif _GLOB_CHARS & set(str(source)):
-        files = sorted(Path(p) for p in glob.glob(str(source), recursive=True) if Path(p).is_file())
+        matched = [Path(p) for p in glob.glob(str(source), recursive=True) if Path(p).is_file()]
+        files = sorted(p for p in matched if _is_token_file(p.name))  # not index.json or notes beside the shards
         if not files:
-            raise TokenDataError(f"the pattern {str(source)!r} matches no files; check it (quote it in a shell)")
+            what = f"no {' or '.join(SUFFIXES)} files" if matched else "no files"
+            raise TokenDataError(f"the pattern {str(source)!r} matches {what}; check it (quote it in a shell)")
     else:
         raise TokenDataError(f"{source}: no such file, folder or glob; pass token shards (.bin/.npy) or their folder")
     if index is None:  # a shard of a prepared folder, given by name: its folder's index has the dtype
