@@ -24,9 +24,9 @@ The arithmetic is the per-parameter optimizer's, elementwise: parameters after a
 bit-identical to torch's DDP with the unsharded optimizer (on gloo the reduce-scatter adds in the
 all-reduce's order, gloo_order.py), at both stages, except where noted in the guide (clipping's fused
 norm, fused kernels). After a synchronised backward the parameters' ``.grad`` are None: the reduced
-gradient exists only as shards (use :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``; for
-loss scaling :class:`~fastpar.zero.grad_scaler.ShardedGradScaler`). torch's gradient semantics hold
-nonetheless: another backward before ``zero_grad`` adds onto the reduced gradient (collectives.py,
+gradient exists only as shards (:meth:`clip_grad_norm_`; ``torch.nn.utils.clip_grad_norm_`` over the
+model's parameters is routed to it, torch_clip.py; for loss scaling
+:class:`~fastpar.zero.grad_scaler.ShardedGradScaler`). torch's gradient semantics hold nonetheless: another backward before ``zero_grad`` adds onto the reduced gradient (collectives.py,
 sharded_gradients.py), and a parameter no rank used since ``zero_grad`` has no gradient and is not
 stepped (partial_step.py).
 """
@@ -53,6 +53,7 @@ from .memory import measure_memory
 from .partial_step import step_shard
 from .sharded_gradients import ShardedGradientCollective
 from .state import gather_full_state, shard_state
+from .torch_clip import register as register_torch_clip
 
 __all__ = ["ShardedOptimizer"]
 
@@ -155,6 +156,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket_of = {id(slot.param): zb.index for zb in self._sharded for slot in zb.slots}
         self._gate = ParameterGate(self.model.module, bucket_of, self._wait_buckets)
         self._norms = ShardNorms(self._sharded, self._group, len(reducer.slots), tags + _TAGS_PER_INSTANCE // 2)
+        self._sharded_param_ids = frozenset(id(slot.param) for zb in self._sharded for slot in zb.slots)
+        register_torch_clip(self)  # torch.nn.utils.clip_grad_norm_ on these parameters: exact, or refused
 
     # ---- the training step ------------------------------------------------------------------------
     # torch.amp.GradScaler.step hands the step to the optimizer (``step(grad_scaler=...)``): a plain GradScaler
