@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from ..ddp.errors import pg_timeout_seconds
+from .arrival import arrival_timeout_s, check_in
 from .checks import (
     check_elementwise,
     check_parameter_coverage,
@@ -141,6 +143,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ---- plugging into the reducer -----------------------------------------------------------------
     def _install(self, reducer, group_of_slot: dict[int, int], exchange: str) -> None:
         instance = next(_instances)
+        self._instance, self._state_dict_calls = instance, itertools.count()
         tags = (1 << 30) + (instance % 1000) * _TAGS_PER_INSTANCE
         kind = ShardedGradientCollective if self.shard_gradients else ZeroCollective
         collective = kind(reducer, group_of_slot, exchange, tags, instance)
@@ -289,7 +292,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self, to: int = 0) -> dict[str, Any]:
         """Collective (every rank calls it): the full state in a plain ``optimizer_class``'s format on rank
         ``to``, loadable by the plain optimizer or by a ShardedOptimizer on any number of ranks. The other
-        ranks get the same ``param_groups`` and no state (a placeholder that ``load_state_dict`` refuses)."""
+        ranks get the same ``param_groups`` and no state (a placeholder that ``load_state_dict`` refuses).
+        Called on some ranks only, it raises :class:`~fastpar.zero.arrival.RankArrivalError` naming the others
+        after ``$FASTPAR_ZERO_ARRIVAL_TIMEOUT_S`` (60 s) instead of waiting in the gather forever."""
+        check_in(
+            self._group,
+            f"zero{self._instance}/state_dict/{next(self._state_dict_calls)}",
+            arrival_timeout_s(pg_timeout_seconds(self._group, self.device)),
+            "ShardedOptimizer.state_dict()",
+            "Call opt.state_dict() on every rank (it gathers the shards onto rank `to`), then save on that rank "
+            "only: sd = opt.state_dict(); if rank == 0: torch.save(sd, path)",
+        )
         self.wait_for_params()
         full = gather_full_state(self._sharded, self._inner, self._elementwise_keys, self._index_of, self._group, to)
         groups = []

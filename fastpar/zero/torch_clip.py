@@ -25,14 +25,11 @@ from __future__ import annotations
 import functools
 import types
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad
-
-if TYPE_CHECKING:
-    from .optimizer import ShardedOptimizer
 
 __all__ = ["ZeroClipError", "clip_grad_norm_", "install", "register"]
 
@@ -45,7 +42,7 @@ class ZeroClipError(ValueError):
     """``torch.nn.utils.clip_grad_norm_`` was asked for something the ZeRO shards cannot give exactly."""
 
 
-def register(optimizer: ShardedOptimizer) -> None:
+def register(optimizer: torch.optim.Optimizer) -> None:
     """Route torch's clipping of ``optimizer``'s sharded parameters (``optimizer._sharded_param_ids``: the ids of
     the parameters in its buckets, alive as long as it is) to it, held weakly, and install the wrapper."""
     _optimizers.add(optimizer)
@@ -85,7 +82,7 @@ def clip_grad_norm_(
     return optimizer.clip_grad_norm_(max_norm, 2.0, error_if_nonfinite)
 
 
-def _owner(params: list[torch.Tensor]) -> tuple[ShardedOptimizer, frozenset[int]] | None:
+def _owner(params: list[torch.Tensor]) -> tuple[Any, frozenset[int]] | None:
     """The ShardedOptimizer sharding any of ``params`` and the ids it shards; None if none does; refuses two."""
     ids = {id(p) for p in params}
     owners = []
