@@ -25,6 +25,7 @@ COMMANDS = {
         "fastpar.costmodel.plan_cli",
         "memory planner: per-device bytes and step time of DDP, ZeRO, FSDP2, pipeline",
     ),
+    "data": ("fastpar.data.tokens.cli", "prepare text into token shards for fastpar.data.token_loader"),
     "demo": ("fastpar.train.demo", "generate a small image set and train a CNN on it with the Trainer"),
     "shard-demo": (
         "fastpar.train.shard_demo",

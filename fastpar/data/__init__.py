@@ -2,7 +2,8 @@
 
 ``image_loader`` reads a folder of class subfolders, local or in an object store (``s3://bucket/prefix``),
 through DALI (GPU decoding with a GPU, CPU threads without) or a torch DataLoader fallback;
-``array_loader`` and ``iterable_loader`` batch data already in Python. All of them share one epoch plan (``fastpar.data.sharding``): equal batch counts on
+``array_loader`` and ``iterable_loader`` batch data already in Python; ``token_loader`` reads tokenized text
+(memory-mapped shards that ``prepare_tokens`` / ``fastpar data prepare`` write, local or ``s3://``). All of them share one epoch plan (``fastpar.data.sharding``): equal batch counts on
 every rank, ``set_epoch`` reshuffles, ``state_dict``/``load_state_dict`` resume exactly.
 """
 
@@ -22,6 +23,7 @@ from .remote.errors import (
 from .remote.store import StoreOptions
 from .sharding import ShardSpec, num_batches, rank_batches
 from .synthetic import make_image_folder
+from .tokens import TokenDataError, TokenLoader, document_mask, prepare_tokens, token_loader
 from .transforms import CorruptImageError
 
 __all__ = [
@@ -37,13 +39,18 @@ __all__ = [
     "StoreAccessError",
     "StoreOptions",
     "StreamLoader",
+    "TokenDataError",
+    "TokenLoader",
     "UnsafeFolderError",
     "UnsafeObjectKeyError",
     "array_loader",
+    "document_mask",
     "image_loader",
     "iterable_loader",
     "make_image_folder",
     "num_batches",
+    "prepare_tokens",
     "rank_batches",
     "scan_image_folder",
+    "token_loader",
 ]

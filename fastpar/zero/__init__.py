@@ -7,7 +7,9 @@ instead of all-reduced, each rank steps its shard, and the parameters are all-ga
 
 from __future__ import annotations
 
+from .arrival import RankArrivalError
 from .grad_scaler import ShardedGradScaler
 from .optimizer import ShardedOptimizer
+from .torch_clip import ZeroClipError
 
-__all__ = ["ShardedGradScaler", "ShardedOptimizer"]
+__all__ = ["RankArrivalError", "ShardedGradScaler", "ShardedOptimizer", "ZeroClipError"]

@@ -24,9 +24,9 @@ The arithmetic is the per-parameter optimizer's, elementwise: parameters after a
 bit-identical to torch's DDP with the unsharded optimizer (on gloo the reduce-scatter adds in the
 all-reduce's order, gloo_order.py), at both stages, except where noted in the guide (clipping's fused
 norm, fused kernels). After a synchronised backward the parameters' ``.grad`` are None: the reduced
-gradient exists only as shards (use :meth:`clip_grad_norm_`, not ``torch.nn.utils.clip_grad_norm_``; for
-loss scaling :class:`~fastpar.zero.grad_scaler.ShardedGradScaler`). torch's gradient semantics hold
-nonetheless: another backward before ``zero_grad`` adds onto the reduced gradient (collectives.py,
+gradient exists only as shards (:meth:`clip_grad_norm_`; ``torch.nn.utils.clip_grad_norm_`` over the
+model's parameters is routed to it, torch_clip.py; for loss scaling
+:class:`~fastpar.zero.grad_scaler.ShardedGradScaler`). torch's gradient semantics hold nonetheless: another backward before ``zero_grad`` adds onto the reduced gradient (collectives.py,
 sharded_gradients.py), and a parameter no rank used since ``zero_grad`` has no gradient and is not
 stepped (partial_step.py).
 """
@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from ..ddp.errors import pg_timeout_seconds
+from .arrival import arrival_timeout_s, check_in
 from .checks import (
     check_elementwise,
     check_parameter_coverage,
@@ -53,6 +55,7 @@ from .memory import measure_memory
 from .partial_step import step_shard
 from .sharded_gradients import ShardedGradientCollective
 from .state import gather_full_state, shard_state
+from .torch_clip import register as register_torch_clip
 
 __all__ = ["ShardedOptimizer"]
 
@@ -140,6 +143,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # ---- plugging into the reducer -----------------------------------------------------------------
     def _install(self, reducer, group_of_slot: dict[int, int], exchange: str) -> None:
         instance = next(_instances)
+        self._instance, self._state_dict_calls = instance, itertools.count()
         tags = (1 << 30) + (instance % 1000) * _TAGS_PER_INSTANCE
         kind = ShardedGradientCollective if self.shard_gradients else ZeroCollective
         collective = kind(reducer, group_of_slot, exchange, tags, instance)
@@ -155,6 +159,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket_of = {id(slot.param): zb.index for zb in self._sharded for slot in zb.slots}
         self._gate = ParameterGate(self.model.module, bucket_of, self._wait_buckets)
         self._norms = ShardNorms(self._sharded, self._group, len(reducer.slots), tags + _TAGS_PER_INSTANCE // 2)
+        self._sharded_param_ids = frozenset(id(slot.param) for zb in self._sharded for slot in zb.slots)
+        register_torch_clip(self)  # torch.nn.utils.clip_grad_norm_ on these parameters: exact, or refused
 
     # ---- the training step ------------------------------------------------------------------------
     # torch.amp.GradScaler.step hands the step to the optimizer (``step(grad_scaler=...)``): a plain GradScaler
@@ -286,7 +292,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def state_dict(self, to: int = 0) -> dict[str, Any]:
         """Collective (every rank calls it): the full state in a plain ``optimizer_class``'s format on rank
         ``to``, loadable by the plain optimizer or by a ShardedOptimizer on any number of ranks. The other
-        ranks get the same ``param_groups`` and no state (a placeholder that ``load_state_dict`` refuses)."""
+        ranks get the same ``param_groups`` and no state (a placeholder that ``load_state_dict`` refuses).
+        Called on some ranks only, it raises :class:`~fastpar.zero.arrival.RankArrivalError` naming the others
+        after ``$FASTPAR_ZERO_ARRIVAL_TIMEOUT_S`` (60 s) instead of waiting in the gather forever."""
+        check_in(
+            self._group,
+            f"zero{self._instance}/state_dict/{next(self._state_dict_calls)}",
+            arrival_timeout_s(pg_timeout_seconds(self._group, self.device)),
+            "ShardedOptimizer.state_dict()",
+            "Call opt.state_dict() on every rank (it gathers the shards onto rank `to`), then save on that rank "
+            "only: sd = opt.state_dict(); if rank == 0: torch.save(sd, path)",
+        )
         self.wait_for_params()
         full = gather_full_state(self._sharded, self._inner, self._elementwise_keys, self._index_of, self._group, to)
         groups = []

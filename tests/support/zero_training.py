@@ -117,10 +117,11 @@ def train_steps(
     channels_last: bool = False,
     accumulate: int = 1,
     sync_backwards: int = 1,
+    torch_clip: bool = False,
 ) -> list[float]:
     """``steps`` optimizer steps, each of ``accumulate - 1`` backwards under ``no_sync`` then ``sync_backwards``
     synchronised ones (each adds onto the reduced gradient, as autograd onto DDP's ``.grad``); returns the
-    gradient norms when clipping."""
+    gradient norms when clipping (``torch_clip``: with ``torch.nn.utils.clip_grad_norm_`` whatever ``impl``)."""
     norms = []
     for step in range(start, start + steps):
         optimizer.zero_grad()
@@ -132,7 +133,7 @@ def train_steps(
             else:
                 model(x, step=step, rank=rank).float().square().mean().backward()
         if max_norm is not None:
-            norms.append(clip(impl, model, optimizer, max_norm, exact_clip))
+            norms.append(clip("torch" if torch_clip else impl, model, optimizer, max_norm, exact_clip))
         optimizer.step()
     return norms
 
@@ -157,6 +158,7 @@ def run_case(
     accumulate: int = 1,
     sync_backwards: int = 1,
     channels_last: bool = False,
+    torch_clip: bool = False,
     **build_args,
 ) -> dict:
     model, optimizer = build(impl, kind, opt, channels_last=channels_last, **build_args)
@@ -174,6 +176,7 @@ def run_case(
         channels_last=channels_last,
         accumulate=accumulate,
         sync_backwards=sync_backwards,
+        torch_clip=torch_clip,
     )
     return {"params": params_of(model), "norms": norms}
 
