@@ -114,6 +114,8 @@ def _replan(
         mine.spec = dataclasses.replace(loader.spec, rank=rank, world_size=world_size)
         mine.epoch, mine.batch, mine._resume = 0, 0, False
         return mine
+    if callable(getattr(loader, "for_rank", None)):  # e.g. fastpar.data.token_loader: re-planned by itself
+        return loader.for_rank(rank, world_size)
     if _plannable(loader):
         shuffle = isinstance(loader.sampler, RandomSampler)
         spec = ShardSpec(len(loader.dataset), loader.batch_size, rank, world_size, seed, shuffle, last_batch)

@@ -296,3 +296,50 @@ def test_loss_from_batch_results_are_checked():
         returns((torch.tensor(1.0), {"v": torch.ones(3)}))(model, batch, device)
     with pytest.raises(TypeError, match="needs a function"):
         fastpar.loss_from_batch(3)
+
+
+# --- token data: fastpar.data.token_loader made before launch, re-planned per rank --------------------------------
+BYTE_VOCAB = 257  # bytes and the end-of-text id
+
+
+def byte_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=BYTE_VOCAB, n_positions=16, n_embd=32, n_layer=1, n_head=2)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    return GPT2LMHeadModel(config)
+
+
+def next_token_loss(outputs, targets):
+    return F.cross_entropy(outputs.logits.flatten(0, 1), targets.flatten())
+
+
+def hand_loop_on_tokens(rank: int, world_size: int, folder: str) -> dict[str, torch.Tensor] | None:
+    import random
+
+    from fastpar.data import token_loader
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(byte_gpt2())
+    opt = adamw(model.parameters())
+    loader = token_loader(folder, seq_len=16, batch_size=4, rank=rank, world_size=world_size)
+    for x, y in loader:
+        next_token_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in model.module.state_dict().items()} if rank == 0 else None
+
+
+def test_a_token_loader_made_before_launch_feeds_each_rank_its_windows(tmp_path):
+    from fastpar.data import prepare_tokens, token_loader
+
+    text = Path(np.__file__).parent / "_globals.py"  # real text every machine with numpy has
+    prepare_tokens([text], tmp_path / "tokens", val_fraction=0)
+    loader = token_loader(tmp_path / "tokens", seq_len=16, batch_size=4)  # rank 0 of 1: the Trainer re-plans it
+    result = Trainer(byte_gpt2, adamw, next_token_loss, loader, options=options(tmp_path, log_every=4)).fit()
+    reference = spawn(hand_loop_on_tokens, 2, str(tmp_path / "tokens"))[0]
+    assert result.steps == len(loader) // 2 > 4
+    assert_same(result.model.state_dict(), reference)
+    assert result.final["tokens_per_s"] == pytest.approx(result.final["samples_per_s"] * 16)

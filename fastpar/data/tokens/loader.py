@@ -8,6 +8,8 @@ stopped. A pass abandoned part-way (``break``) starts that epoch again from its 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,20 @@ class TokenLoader:
 
     def __len__(self) -> int:
         return self.order.num_batches()
+
+    def for_rank(self, rank: int, world_size: int) -> TokenLoader:
+        """This loader for rank ``rank`` of ``world_size`` (same data, order and cursor): what ``fastpar.Trainer``
+        does with a loader made before its workers exist."""
+        if (rank, world_size) == (self.order.rank, self.order.world_size):
+            return self
+        if self.order.world_size != 1:
+            raise TokenDataError(
+                f"this token loader was made for world_size={self.order.world_size}, the run has {world_size} "
+                "processes; make it without rank/world_size, or pass a factory fn(rank, world_size) -> loader"
+            )
+        mine = copy.copy(self)
+        mine.order = dataclasses.replace(self.order, rank=rank, world_size=world_size)
+        return mine
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its first batch at the next pass (as DistributedSampler.set_epoch)."""
