@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..user_errors import OptionError
 from . import checkpoint as ckpt
 from . import resume
 from .batches import Objective, StepResult, to_device
@@ -59,6 +60,23 @@ def _seed_everything(seed: int) -> None:
 def _floating_dtype(module: torch.nn.Module) -> torch.dtype:
     floating = [p.dtype for p in module.parameters() if p.is_floating_point()]
     return floating[0] if floating else torch.get_default_dtype()
+
+
+def check_fp16(device: torch.device, strategy: str) -> None:
+    """mixed_precision='fp16' runs where float16 pays off and loss scaling works: CUDA, DDP or ZeRO."""
+    if device.type != "cuda":
+        raise OptionError(
+            "mixed_precision",
+            f"TrainingOptions.mixed_precision='fp16' is for GPUs: on the {device.type.upper()} float16 matmuls are "
+            "slower than float32 and need loss scaling; use mixed_precision='bf16' (float32's range, no scaling) "
+            "or None",
+        )
+    if strategy in ("fsdp", "pipeline"):
+        raise OptionError(
+            "mixed_precision",
+            f"TrainingOptions.mixed_precision='fp16' with sharding={strategy!r} (chosen by 'auto'): loss scaling "
+            "runs with ddp, zero1 or zero2; use mixed_precision='bf16' or one of those shardings",
+        )
 
 
 def _classification(out: Any, y: Any) -> bool:
@@ -123,6 +141,14 @@ class Run:
                     "in full precision (mixed_precision=None)"
                 )
             self.autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+        self.grad_scaler = None
+        if opts.mixed_precision == "fp16":
+            check_fp16(device, self.strategy.name)
+            from ..zero import ShardedGradScaler  # torch's GradScaler, and ZeRO's gradient slices agreed by all ranks
+
+            self.autocast = lambda: torch.autocast(device.type, dtype=torch.float16)
+            self.grad_scaler = ShardedGradScaler(device.type)
+            self.strategy.grad_scaler = self.grad_scaler
 
         self.step, self.epoch, self.batch_in_epoch, self.elapsed_before = 0, 0, 0, 0.0
         self.started, self.loader_state, self.skip = time.perf_counter(), None, 0
@@ -214,6 +240,7 @@ class Run:
             total_steps=self.total_steps,
             max_epochs=self.opts.max_epochs,
             report=print if self.is_main else (lambda _msg: None),
+            grad_scaler=self.grad_scaler,
         )
         if position is None:
             return False
@@ -238,6 +265,7 @@ class Run:
             rank=self.rank,
             world_size=self.world_size,
             mode=self.opts.checkpoint_mode,
+            grad_scaler=self.grad_scaler,
         )
         if kept is not None:
             self.checkpoints = kept
@@ -400,9 +428,16 @@ class Run:
 
     # --- the loop ---------------------------------------------------------------------------------
     def _optimizer_step(self) -> None:
+        scaler = self.grad_scaler
         if self.opts.grad_clip_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(self.optimizer)  # clip the true gradients
             self.strategy.clip(self.opts.grad_clip_norm)
-        self.optimizer.step()
+        if scaler is not None:
+            scaler.step(self.optimizer)  # skipped on every rank alike when a gradient overflowed
+            scaler.update()
+        else:
+            self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         if self.model_state_bytes is None:  # the first step: everything a step keeps is there, gradients too

@@ -85,7 +85,8 @@ class TrainingOptions:
     fsdp_wrap: str | int | tuple[str, ...] = "auto"
     fsdp_reshard_after_forward: bool | None = None  # fsdp: free gathered parameters after forward (None: the plan's)
     # "bf16": autocast to bfloat16 (CPUs, and GPUs that support it: on one that doesn't, the run stops saying so);
-    # None: full precision. True is "bf16", False is None.
+    # "fp16": autocast to float16 with loss scaling (torch.amp.GradScaler; fastpar's ShardedGradScaler under ZeRO),
+    # GPUs only, with ddp, zero1 or zero2; None: full precision. True is "bf16", False is None.
     mixed_precision: str | bool | None = None
     # torch.compile the model the step runs (fastpar's or torch's DDP, ZeRO, FSDP): True, or a dict of
     # torch.compile's arguments ({"backend": "inductor", "mode": "max-autotune"}); not with pipeline stages
@@ -178,11 +179,18 @@ class TrainingOptions:
             raise OptionError("loggers", str(exc)) from None
         if self.mixed_precision is True or self.mixed_precision is False:
             self.mixed_precision = "bf16" if self.mixed_precision else None
-        if self.mixed_precision not in (None, "bf16"):
+        if self.mixed_precision not in (None, "bf16", "fp16"):
             raise OptionError(
                 "mixed_precision",
-                f"TrainingOptions.mixed_precision must be 'bf16' or None (True means 'bf16'), got "
+                f"TrainingOptions.mixed_precision must be 'bf16', 'fp16' or None (True means 'bf16'), got "
                 f"{self.mixed_precision!r}",
+            )
+        if self.mixed_precision == "fp16" and self.strategy in ("fsdp", "pipeline"):
+            raise OptionError(
+                "mixed_precision",
+                f"TrainingOptions.mixed_precision='fp16' needs loss scaling, which sharding={self.strategy!r} does "
+                "not run here (FSDP's gradients are sharded DTensors; a pipeline schedule runs its own backward); "
+                "use mixed_precision='bf16' (no scaling needed), or sharding 'ddp', 'zero1' or 'zero2'",
             )
         self._check_compile()
         if self.plots not in PLOTS:

@@ -61,6 +61,7 @@ def save(
     rank: int,
     world_size: int,
     mode: int = 0o600,
+    grad_scaler: Any = None,
 ) -> list[str] | None:
     """Collective: every rank calls it. Returns the kept paths on rank 0, None on the others. ``mode``: the
     checkpoint's files' (``TrainingOptions.checkpoint_mode``)."""
@@ -77,6 +78,7 @@ def save(
         "total_steps": total_steps,  # the run's planned length: a resume with another length re-plans the schedule
         "batches_per_epoch": batches_per_epoch,  # whether the epoch was complete, for a resume at another world size
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,  # alike on every rank
         "ranks": ranks,
     }
     if strategy.sharded_checkpoints:
@@ -102,6 +104,7 @@ def restore(
     total_steps: int,
     max_epochs: int,
     report: Callable[[str], None],
+    grad_scaler: Any = None,
 ) -> Position | None:
     """Load the newest valid checkpoint into the strategy's model/optimizer, the scheduler and this rank's RNGs;
     None if there is none. A checkpoint of another model is refused (IncompatibleCheckpointError)."""
@@ -114,6 +117,8 @@ def restore(
     if scheduler is not None and state.get("scheduler") is not None:
         saved = state["scheduler"]
         scheduler.load_state_dict(saved if planned == total_steps else _repositioned(scheduler.state_dict(), saved))
+    if grad_scaler is not None and state.get("grad_scaler"):  # fp16: the loss scale and its growth count
+        grad_scaler.load_state_dict(state["grad_scaler"])
     ranks = state["ranks"]
     epoch, batch_in_epoch, loader_state = state["epoch"], 0, None
     if len(ranks) == world_size:  # same world size: exact continuation

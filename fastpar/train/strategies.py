@@ -30,6 +30,7 @@ class Strategy:
     name = "ddp"
     sharded_checkpoints = False  # True: DCP folders (every rank writes its pieces); False: rank 0 writes one file
     collective_forward = False  # True: every forward takes part in collectives (each rank must run as many)
+    grad_scaler: Any = None  # mixed_precision='fp16': the loss is scaled before backward (set by the loop)
 
     def __init__(self, job: Job, rank: int, world_size: int, device: torch.device) -> None:
         self.job, self.opts = job, job.options
@@ -59,7 +60,8 @@ class Strategy:
         """Forward and backward of one micro-batch (on the device): its loss, samples, tokens and metrics."""
         with autocast():
             result = self.objective(self.train_model, batch, self.device)
-        (result.loss * scale).backward()
+        loss = result.loss * scale
+        (loss if self.grad_scaler is None else self.grad_scaler.scale(loss)).backward()
         return result
 
     def clip(self, max_norm: float) -> None:

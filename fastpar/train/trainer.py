@@ -15,6 +15,7 @@ from .batches import Objective
 from .data import check_exists
 from .environment import resolve
 from .job import Job, OptimizerSpec, build_model, check_picklable
+from .loop import check_fp16
 from .options import TrainingOptions
 from .worker import run_worker
 
@@ -163,6 +164,8 @@ class Trainer:
         self._check_before_launch()
         opts = self.options
         plan = resolve(opts.execution_environment, opts.devices, opts.threads_per_process, opts.cpu_backend)
+        if opts.mixed_precision == "fp16":
+            check_fp16(torch.device(plan.device_type), opts.strategy)  # before any worker starts
         optimizer = self.optimizer
         local_launch = plan.nprocs > 1
         if isinstance(optimizer, torch.optim.Optimizer):
