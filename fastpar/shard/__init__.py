@@ -14,6 +14,7 @@ the split choice :func:`choose_split` and the layers a model is cut along :func:
 
 from __future__ import annotations
 
+from .activation_checkpoint import ActivationCheckpointError, checkpoint_activations
 from .fully_sharded import fsdp_memory_report, fully_shard_model
 from .meta_init import build_eager
 from .pipeline_layout import PipelineLayout, pipeline_layout
@@ -25,6 +26,7 @@ from .wrap_policy import WrapError, describe_units, select_units
 
 __all__: list[str] = [
     "SCHEDULES",
+    "ActivationCheckpointError",
     "LayerCost",
     "ModelLayers",
     "PipelineConfigError",
@@ -34,6 +36,7 @@ __all__: list[str] = [
     "StageLayers",
     "WrapError",
     "build_eager",
+    "checkpoint_activations",
     "check_pipeline_shape",
     "choose_split",
     "describe_units",

@@ -88,6 +88,9 @@ class TrainingOptions:
     # "fp16": autocast to float16 with loss scaling (torch.amp.GradScaler; fastpar's ShardedGradScaler under ZeRO),
     # GPUs only, with ddp, zero1 or zero2; None: full precision. True is "bf16", False is None.
     mixed_precision: str | bool | None = None
+    # recompute chosen blocks' activations in backward instead of keeping them (fastpar.shard.checkpoint_activations):
+    # True (every repeated block: a transformer's layers) | k (every k-th of them) | block class names | False
+    activation_checkpointing: bool | int | str | tuple[str, ...] = False
     # torch.compile the model the step runs (fastpar's or torch's DDP, ZeRO, FSDP): True, or a dict of
     # torch.compile's arguments ({"backend": "inductor", "mode": "max-autotune"}); not with pipeline stages
     compile: bool | dict = False
@@ -125,6 +128,22 @@ class TrainingOptions:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def _check_activation_checkpointing(self) -> None:
+        from ..shard.activation_checkpoint import ActivationCheckpointError, checkpointing_spec
+
+        if isinstance(self.activation_checkpointing, list):
+            self.activation_checkpointing = tuple(self.activation_checkpointing)
+        try:
+            spec = checkpointing_spec(self.activation_checkpointing)
+        except ActivationCheckpointError as exc:
+            raise OptionError("activation_checkpointing", f"TrainingOptions.{exc}") from None
+        if spec is not None and self.strategy == "pipeline":
+            raise OptionError(
+                "activation_checkpointing",
+                "TrainingOptions.activation_checkpointing does not apply to pipeline stages (each stage keeps only "
+                "its micro-batches' activations); use it with ddp, zero1, zero2 or fsdp",
+            )
 
     def _check_compile(self) -> None:
         if isinstance(self.compile, bool):
@@ -192,6 +211,7 @@ class TrainingOptions:
                 "not run here (FSDP's gradients are sharded DTensors; a pipeline schedule runs its own backward); "
                 "use mixed_precision='bf16' (no scaling needed), or sharding 'ddp', 'zero1' or 'zero2'",
             )
+        self._check_activation_checkpointing()
         self._check_compile()
         if self.plots not in PLOTS:
             raise OptionError("plots", f"TrainingOptions.plots must be 'training-progress' or None, got {self.plots!r}")

@@ -24,6 +24,31 @@ from .batches import Objective, StepResult, token_count
 from .job import Job, build_model, build_optimizer, wrap_ddp
 
 
+def checkpointed(model: Any, opts: Any) -> Any:
+    """``model`` (a module, or a builder returning one) with ``activation_checkpointing`` applied."""
+    from ..shard.activation_checkpoint import checkpoint_activations, checkpointing_spec
+
+    spec = checkpointing_spec(opts.activation_checkpointing)
+    if spec is None:
+        return model
+    if isinstance(model, torch.nn.Module):
+        checkpoint_activations(model, *spec)
+        return model
+    return _CheckpointedBuilder(model, spec)
+
+
+class _CheckpointedBuilder:
+    def __init__(self, build: Any, spec: tuple) -> None:
+        self.build, self.spec = build, spec
+
+    def __call__(self) -> torch.nn.Module:
+        from ..shard.activation_checkpoint import checkpoint_activations
+
+        module = build_model(self.build)
+        checkpoint_activations(module, *self.spec)
+        return module
+
+
 class Strategy:
     """Replicated model and optimizer (DDP, or one process): the default behaviour of every hook."""
 
@@ -36,7 +61,7 @@ class Strategy:
         self.job, self.opts = job, job.options
         self.rank, self.world_size, self.device = rank, world_size, device
         self.objective = Objective(job.loss_fn)
-        self.model = build_model(job.model).to(device)  # the module: evaluation, names, the final state
+        self.model = checkpointed(build_model(job.model), self.opts).to(device)  # evaluation, names, final state
         self.optimizer = build_optimizer(job.optimizer, self.model)
         self.train_model = wrap_ddp(self.model, self.opts, device) if world_size > 1 else self.model
 
@@ -205,7 +230,7 @@ class FsdpStrategy(DcpStrategy):
         # a factory is built on the meta device and only this rank's shards are materialised (with the values
         # the eagerly built model seeded with ``seed`` holds): no rank holds the whole model
         self.model = self.train_model = fully_shard_model(
-            job.model,
+            checkpointed(job.model, opts),  # before fully_shard: the recomputed forward all-gathers again
             wrap=opts.fsdp_wrap,
             mixed_precision="bf16" if opts.mixed_precision else None,
             reshard_after_forward=reshard,
