@@ -97,15 +97,17 @@ def test_a_batch_off_the_window_grid_or_the_vocabulary_is_wrong(tmp_path):
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     heads = data_tokens.window_heads(tokens, SHAPE.seq_len)
     rows = torch.from_numpy(np.stack([tokens[s : s + SHAPE.seq_len + 1] for s in (0, 16, 32, 48)]).astype(np.int64))
-    data_tokens.check_batch("ok", rows[:, :-1], rows[:, 1:], tokens, heads, SHAPE)
-    shifted = rows + 1  # windows starting one token late
-    with pytest.raises(WrongResultError, match="not a window"):
-        data_tokens.check_batch("shifted", shifted[:, :-1], shifted[:, 1:], tokens, heads, SHAPE)
+    x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    data_tokens.check_batch("ok", x, y, tokens, heads, SHAPE)
+    with pytest.raises(WrongResultError, match="contiguous"):
+        data_tokens.check_batch("views", rows[:, :-1], rows[:, 1:], tokens, heads, SHAPE)
+    with pytest.raises(WrongResultError, match="not a window"):  # windows starting one token late
+        data_tokens.check_batch("shifted", x + 1, y + 1, tokens, heads, SHAPE)
     with pytest.raises(WrongResultError, match="shifted by one"):
-        data_tokens.check_batch("same", rows[:, :-1], rows[:, :-1], tokens, heads, SHAPE)
+        data_tokens.check_batch("same", x, x, tokens, heads, SHAPE)
     small = data_tokens._Shape(SHAPE.seq_len, SHAPE.batch, vocab=40)
     with pytest.raises(WrongResultError, match="outside"):
-        data_tokens.check_batch("vocab", rows[:, :-1], rows[:, 1:], tokens, heads, small)
+        data_tokens.check_batch("vocab", x, y, tokens, heads, small)
 
 
 def test_anonymous_memory_is_read_from_smaps_rollup():
