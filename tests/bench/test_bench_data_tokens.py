@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from fastpar.bench.benchmarks import data_tokens
+from fastpar.bench.benchmarks import token_windows
 from fastpar.bench.cli import main
 from fastpar.bench.harness import WrongResultError
 
-SHAPE = data_tokens._Shape(seq_len=16, batch=4, vocab=1 << 16)
+SHAPE = token_windows.WindowShape(seq_len=16, batch=4, vocab=1 << 16)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_tiny_run_prints_floor_peers_ratios_and_goals(tiny_run):
     assert "tokens/s" in printed and "of_floor" in printed and "x loader" in printed and "anon_MiB" in printed
     rows = [line.split() for line in printed.splitlines() if line and not line.startswith("#")][1:]
     variants = ["floor", "fastpar", "dataloader", "dataloader_w1"]
-    if data_tokens.streaming_problem() is None:
+    if token_windows.streaming_problem() is None:
         variants.append("streaming")
     assert {(row[0], row[1]) for row in rows} == {(corpus, v) for corpus in ("1MB", "2MB") for v in variants}
     for corpus in ("1MB", "2MB"):
@@ -43,7 +43,7 @@ def test_tiny_run_prints_floor_peers_ratios_and_goals(tiny_run):
         assert f"goal: {corpus}: fastpar tokens/s >= 1.50x dataloader" in printed
         assert f"goal: {corpus}: fastpar tokens/s >= 1.00x streaming:" in printed
     assert "goal: fastpar anonymous memory <= 1.10x 2MB vs 1MB corpus:" in printed
-    if data_tokens.streaming_problem() is not None:
+    if token_windows.streaming_problem() is not None:
         assert "not measured (streaming does not import)" in printed and "note: streaming skipped" in printed
 
 
@@ -66,7 +66,7 @@ def test_tiny_run_json_has_rates_ratios_memory_and_goals(tiny_run):
     assert "1MB: fastpar tokens/s >= 0.95x floor" in names
     assert any(name.startswith("fastpar anonymous memory") for name in names)
     assert all(isinstance(goal["met"], bool) for goal in summary["goals"])
-    if data_tokens.streaming_problem() is not None:
+    if token_windows.streaming_problem() is not None:
         assert len(summary["goals_not_measured"]) == 2
 
 
@@ -81,12 +81,12 @@ def test_every_variant_reads_each_window_once_per_epoch(tmp_path, variant):
     windows = 40
     path = _counting_corpus(tmp_path / "count.bin", windows)
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    heads = data_tokens.window_heads(tokens, SHAPE.seq_len)
-    stream = data_tokens.make_stream(variant, path, SHAPE)
+    heads = token_windows.window_heads(tokens, SHAPE.seq_len)
+    stream = token_windows.make_stream(variant, path, SHAPE)
     seen = []
     for _ in range(windows // SHAPE.batch):
         x, y = next(stream)
-        data_tokens.check_batch(variant, x, y, tokens, heads, SHAPE)
+        token_windows.check_batch(variant, x, y, tokens, heads, SHAPE)
         seen += (x[:, 0] // SHAPE.seq_len).tolist()
     assert sorted(seen) == list(range(windows))
     stream.close()
@@ -95,23 +95,23 @@ def test_every_variant_reads_each_window_once_per_epoch(tmp_path, variant):
 def test_a_batch_off_the_window_grid_or_the_vocabulary_is_wrong(tmp_path):
     path = _counting_corpus(tmp_path / "count.bin", 8)
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    heads = data_tokens.window_heads(tokens, SHAPE.seq_len)
+    heads = token_windows.window_heads(tokens, SHAPE.seq_len)
     rows = torch.from_numpy(np.stack([tokens[s : s + SHAPE.seq_len + 1] for s in (0, 16, 32, 48)]).astype(np.int64))
     x, y = rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
-    data_tokens.check_batch("ok", x, y, tokens, heads, SHAPE)
+    token_windows.check_batch("ok", x, y, tokens, heads, SHAPE)
     with pytest.raises(WrongResultError, match="contiguous"):
-        data_tokens.check_batch("views", rows[:, :-1], rows[:, 1:], tokens, heads, SHAPE)
+        token_windows.check_batch("views", rows[:, :-1], rows[:, 1:], tokens, heads, SHAPE)
     with pytest.raises(WrongResultError, match="not a window"):  # windows starting one token late
-        data_tokens.check_batch("shifted", x + 1, y + 1, tokens, heads, SHAPE)
+        token_windows.check_batch("shifted", x + 1, y + 1, tokens, heads, SHAPE)
     with pytest.raises(WrongResultError, match="shifted by one"):
-        data_tokens.check_batch("same", x, x, tokens, heads, SHAPE)
-    small = data_tokens._Shape(SHAPE.seq_len, SHAPE.batch, vocab=40)
+        token_windows.check_batch("same", x, x, tokens, heads, SHAPE)
+    small = token_windows.WindowShape(SHAPE.seq_len, SHAPE.batch, vocab=40)
     with pytest.raises(WrongResultError, match="outside"):
-        data_tokens.check_batch("vocab", x, y, tokens, heads, small)
+        token_windows.check_batch("vocab", x, y, tokens, heads, small)
 
 
 def test_anonymous_memory_is_read_from_smaps_rollup():
-    kib = data_tokens.anonymous_kib()
+    kib = token_windows.anonymous_kib()
     if kib is None:
         pytest.skip("no /proc/self/smaps_rollup here")
     assert kib > 0

@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data_tokens.add_arguments(group)
     parser.epilog = (
         "-n counts epochs per round; each pipeline runs -w warm-up epochs first. With --local-s3 or an s3:// --root, "
-        "-n epochs run back to back (default 3)."
+        "-n epochs run back to back (default 3). With --tokens, -n counts calls of --batches batches."
     )
 
 
