@@ -17,7 +17,7 @@ start an epoch with their prefetch queue full (the bare reader runs on, fastpar 
 CPU% = (CPU time of this process and its finished children) / wall time x 100, so 200% = two cores busy.
 DALI rows are skipped with a note when DALI is not installed. fastpar_dali faster than dali_bare (the floor)
 is flagged, and its goal is IMPOSSIBLE. With an ``s3://`` ``--root`` or ``--local-s3`` the run is
-``data_remote``'s.
+``data_remote``'s; with ``--tokens`` it is ``data_tokens``'s (token windows instead of images).
 """
 
 from __future__ import annotations
@@ -40,10 +40,13 @@ from ..context import BenchContext
 from ..goals import AT_LEAST, Goal, beyond_floor
 from ..harness import BenchUsageError, Plan, WrongResultError, median
 from ..table import BenchReport, Column, PlotSpec
-from . import data_remote
+from . import data_remote, data_tokens
 from .image_loading import SETTLE_S, check_batch, cpu_seconds
 
-DESCRIPTION = "image loaders: fastpar DALI vs torch DataLoader vs bare DALI pipeline (images/s, CPU%)"
+DESCRIPTION = (
+    "image loaders: fastpar DALI vs torch DataLoader vs bare DALI pipeline (images/s, CPU%); "
+    "--tokens: token_loader vs np.memmap vs DataLoader (tokens/s, memory)"
+)
 USES: set[str] = set()
 DEFAULTS = {"iters": 1, "warmup": 1, "rounds": 3}
 DALI_VS_TORCH = Goal("fastpar_dali images/s", "fastpar_torch", 1.5, AT_LEAST)
@@ -69,9 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--workers", type=int, default=2, help="DALI threads = DataLoader workers (default 2)")
     group.add_argument("--batch", type=int, default=64, help="batch size (default 64)")
     group.add_argument("--size", type=int, default=224, help="crop size (default 224)")
+    data_tokens.add_arguments(group)
     parser.epilog = (
         "-n counts epochs per round; each pipeline runs -w warm-up epochs first. With --local-s3 or an s3:// --root, "
-        "-n epochs run back to back (default 3)."
+        "-n epochs run back to back (default 3). With --tokens, -n counts calls of --batches batches."
     )
 
 
@@ -195,6 +199,8 @@ def _pipelines(
 
 def run(ctx: BenchContext) -> BenchReport:
     flags = ctx.flags
+    if flags.tokens:
+        return data_tokens.run(ctx)
     for flag, value in (("--count", flags.count), ("--workers", flags.workers), ("--batch", flags.batch)):
         if value < 1:
             raise BenchUsageError(f"{flag} must be at least 1, got {value}")
