@@ -42,7 +42,7 @@ def test_compile_and_mixed_precision_values_are_checked(tmp_path):
         "backend": "eager",
         "dynamic": False,
     }
-    with pytest.raises(OptionError, match=r"mixed_precision must be 'bf16' or None \(True means 'bf16'\)"):
+    with pytest.raises(OptionError, match=r"mixed_precision must be 'bf16', 'fp16' or None \(True means 'bf16'\)"):
         TrainingOptions(mixed_precision="fp8")
     assert TrainingOptions(mixed_precision=True).mixed_precision == "bf16"
     assert TrainingOptions(mixed_precision=False).mixed_precision is None

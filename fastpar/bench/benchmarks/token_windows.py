@@ -66,7 +66,7 @@ class WindowDataset(torch.utils.data.Dataset):
 
 
 def _floor(path: Path, shape: WindowShape) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
+    tokens = np.memmap(path, dtype=np.uint16, mode="r").view(np.ndarray)  # slices without memmap objects
     length, batch = shape.seq_len, shape.batch
     count = (len(tokens) - 1) // length
     rng = np.random.default_rng(shape.seed)

@@ -42,6 +42,10 @@ class TokenLoader:
         self.source, self.order, self.table = source, order, table
         self.vocab_size, self.eot_token = vocab_size, eot_token
         self.device = torch.device(device) if device is not None else None
+        # plain ndarray views of the maps: slicing an np.memmap builds a memmap object per window
+        self._arrays = [np.asarray(shard.tokens).view(np.ndarray) for shard in source.shards]
+        self._row_dtype = np.result_type(*(shard.tokens.dtype for shard in source.shards))
+        self._signed = np.issubdtype(self._row_dtype, np.signedinteger)
         self.epoch = 0
         self.consumed = 0  # global samples of this epoch already yielded (by all ranks together)
         self._resume_at: int | None = None  # set by load_state_dict: where the next pass starts
@@ -87,11 +91,17 @@ class TokenLoader:
         self.epoch, self.consumed = epoch + 1, 0
 
     def _batch(self, windows: np.ndarray) -> Batch:
-        shard_of, first = self.table.locate(windows)
         span = self.seq_len + 1
-        rows = np.empty((len(windows), span), dtype=np.int64)  # (B, L + 1)
-        for row, (s, t) in enumerate(zip(shard_of.tolist(), first.tolist(), strict=True)):
-            rows[row] = self.source.shards[s].tokens[t : t + span]  # pages in only this window
+        # the windows as stored (uint16: a quarter of int64's bytes to check), widened once into x and y
+        rows = np.empty((len(windows), span), dtype=self._row_dtype)  # (B, L + 1)
+        if len(self._arrays) == 1:  # one shard (a nanoGPT .bin): no lookup
+            shard_of, tokens = np.zeros(len(windows), dtype=np.int64), self._arrays[0]
+            for row, t in enumerate((windows * self.seq_len).tolist()):
+                rows[row] = tokens[t : t + span]  # pages in only this window
+        else:
+            shard_of, first = self.table.locate(windows)
+            for row, (s, t) in enumerate(zip(shard_of.tolist(), first.tolist(), strict=True)):
+                rows[row] = self._arrays[s][t : t + span]
         if self.vocab_size is not None and (top := int(rows.max())) >= self.vocab_size:
             bad = int(np.argwhere(rows == top)[0][0])
             raise TokenDataError(
@@ -99,12 +109,12 @@ class TokenLoader:
                 f"{self.vocab_size}: the data was tokenized with another tokenizer, or read with the wrong dtype; "
                 "pass the vocab_size of the tokenizer that wrote it"
             )
-        if int(rows.min()) < 0:  # only a signed .npy can hold one
+        if self._signed and int(rows.min()) < 0:  # only a signed .npy can hold one
             raise TokenDataError(
                 f"a negative token id in {self.source.shards[shard_of[int(np.argwhere(rows < 0)[0][0])]].name}: "
                 "token ids are 0 or more; check how the array was written"
             )
-        inputs, labels = np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
+        inputs, labels = rows[:, :-1].astype(np.int64), rows[:, 1:].astype(np.int64)
         if self.eot_token is None:
             return self._to_device(torch.from_numpy(inputs)), self._to_device(torch.from_numpy(labels))
         docs = document_ids(inputs, self.eot_token)
