@@ -7,6 +7,7 @@ level, not lambdas or local functions — and the script's entry guarded by ``if
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -67,6 +68,18 @@ class Job:
     options: TrainingOptions
     plan: Plan
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+
+
+def private_copy(job: Job) -> Job:
+    """``job`` with a model instance and an optimizer's state copied into this process's own memory. Workers the
+    trainer launches receive their arguments through torch's multiprocessing pickler, which shares tensors'
+    storage between the processes: every rank's optimizer would step the same parameters (twice as far per step
+    with 2 processes)."""
+    model = copy.deepcopy(job.model) if isinstance(job.model, torch.nn.Module) else job.model
+    optimizer = job.optimizer
+    if isinstance(optimizer, OptimizerSpec):
+        optimizer = dataclasses.replace(optimizer, state=copy.deepcopy(optimizer.state))
+    return dataclasses.replace(job, model=model, optimizer=optimizer)
 
 
 def build_model(model: Any) -> torch.nn.Module:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ..launcher import join_process_group, leave_process_group, set_threads
 from ..user_errors import OptionError
-from .job import Job
+from .job import Job, private_copy
 from .loop import Run
 
 
@@ -26,6 +26,7 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         device = torch.device("cpu")
     if plan.nprocs > 1:  # launched here: keep torch threads to this process's share of the cores
         set_threads(plan.threads_per_process)
+        job = private_copy(job)  # tensors that came through torch's pickler are shared with the other workers
     own_group = world_size > 1 and not dist.is_initialized()
     if own_group:
         join_process_group(

@@ -229,6 +229,33 @@ def test_single_process_trains_the_given_module_in_place(tmp_path):
     assert result.last("val_accuracy") > 0.6
 
 
+@pytest.mark.slow
+def test_a_module_instance_on_two_processes_trains_like_a_factory(reference, tmp_path):
+    """Each worker trains its own copy: through torch's pickler the workers would share one storage and every
+    rank's step would land on it (parameters moved twice as far per step)."""
+    torch.manual_seed(0)  # what the trainer does before it calls a factory
+    result = Trainer(
+        make_model(), make_optimizer, torch.nn.functional.cross_entropy, TRAIN, options=options(tmp_path)
+    ).fit()
+    assert_same_parameters(result.model, reference.model)
+
+
+def test_private_copy_shares_no_storage_with_what_it_was_given():
+    from fastpar.train.job import Job, OptimizerSpec, private_copy
+
+    model = make_model()
+    optimizer = make_optimizer(model.parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()  # momentum buffers: state to copy
+    job = Job(model, OptimizerSpec.from_optimizer(optimizer, model), None, TRAIN, TrainingOptions(), None)
+    copied = private_copy(job)
+    ptrs = {t.data_ptr() for t in model.state_dict().values()}
+    ptrs |= {v.data_ptr() for s in optimizer.state_dict()["state"].values() for v in s.values() if torch.is_tensor(v)}
+    mine = [t.data_ptr() for t in copied.model.state_dict().values()]
+    mine += [v.data_ptr() for s in copied.optimizer.state["state"].values() for v in s.values() if torch.is_tensor(v)]
+    assert len(mine) == 8 and not ptrs & set(mine)  # 4 parameters, 4 momentum buffers
+
+
 def test_gradient_accumulation_equals_a_larger_batch(tmp_path):
     accumulated = single(tmp_path / "a", batch_size=8, grad_accum_steps=2, max_epochs=1)
     large = single(tmp_path / "b", batch_size=16, max_epochs=1)
