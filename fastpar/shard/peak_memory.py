@@ -25,7 +25,7 @@ from torch import nn
 
 from .tensor_bytes import storage_bytes
 
-__all__ = ["StepMemory", "held_tensors", "measure_step", "state_bytes"]
+__all__ = ["PeakTracker", "StepMemory", "held_tensors", "measure_step", "state_bytes"]
 
 STATE_KEYS = ("parameters", "buffers", "gradients", "optimizer_state")
 
@@ -94,34 +94,81 @@ def measure_step(
     """Run ``step()`` once and return its peak on this rank beside the state held after it. Take one step
     before (optimizer state and buffers are allocated at the first): the peak then includes last step's
     gradients as far as the step keeps them."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return _measure_cuda(step, modules, optimizer, device)
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
-    tracker = MemTracker()
-    tracker.track_external(*modules)  # parameters, buffers and gradients, in their categories
-    held = held_tensors(modules, optimizer)
-    known: set[tuple[str, int]] = set()
-    if getattr(optimizer, "memory_tensors", None) is None and optimizer is not None:
-        tracker.track_external(getattr(optimizer, "optimizer", optimizer))  # its state, as optimizer state
-        known |= {_storage_key(t) for t in held["optimizer_state"]}
-    # the rest as "Other" (ZeRO's flat buffers, pool, scratch; its state until its step names it): a storage
-    # the tracker knows already would be recategorised, so it is left out
-    known |= {_storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
-    known |= {_storage_key(p.grad) for m in modules for p in m.parameters() if p.grad is not None}
-    rest = {}
-    for key in STATE_KEYS:
-        for t in held[key]:
-            rest.setdefault(_storage_key(t), t)
-    tracker.track_external(*(t for k, t in rest.items() if k not in known))
+    tracker = PeakTracker(modules, optimizer, device)
     with tracker:
         step()
-    peaks = tracker.get_tracker_snapshot("peak")
-    snap = max(peaks.values(), key=lambda s: s.get("Total", 0), default={})
-    by_kind = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
-    return StepMemory(by_kind.get("Total", 0), state_bytes(modules, optimizer), by_kind)
+    return tracker.result()
+
+
+class PeakTracker:
+    """``with PeakTracker(model, optimizer, device) as t: ...`` then ``t.result()``: the peak of what ran inside
+    (one step: MemTracker slows every op down while it is on). Enter and exit may sit in different places of a
+    loop (``start()`` / ``stop()``)."""
+
+    def __init__(
+        self,
+        modules: nn.Module | Iterable[nn.Module],
+        optimizer: torch.optim.Optimizer | None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+        self.optimizer, self.device = optimizer, torch.device(device)
+        self._tracker: Any = None
+        self._peak: dict[str, int] | None = None
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self._tracker = self._cpu_tracker()
+        self._tracker.__enter__()
+
+    def stop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # CPU-GPU sync point: the step's kernels must have run
+            self._peak = {"Total": int(torch.cuda.max_memory_allocated(self.device))}
+            return
+        self._tracker.__exit__(None, None, None)
+        peaks = self._tracker.get_tracker_snapshot("peak")
+        snap = max(peaks.values(), key=lambda s: s.get("Total", 0), default={})
+        self._peak = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+        self._tracker = None
+
+    def __enter__(self) -> PeakTracker:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def result(self) -> StepMemory:
+        """The peak of the tracked span, and the state held now."""
+        if self._peak is None:
+            raise RuntimeError("PeakTracker.result() before the tracked span ended")
+        return StepMemory(self._peak.get("Total", 0), state_bytes(self.modules, self.optimizer), dict(self._peak))
+
+    def _cpu_tracker(self):
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        modules, optimizer = self.modules, self.optimizer
+        tracker = MemTracker()
+        tracker.track_external(*modules)  # parameters, buffers and gradients, in their categories
+        held = held_tensors(modules, optimizer)
+        known: set[tuple[str, int]] = set()
+        if getattr(optimizer, "memory_tensors", None) is None and optimizer is not None:
+            tracker.track_external(getattr(optimizer, "optimizer", optimizer))  # its state, as optimizer state
+            known |= {_storage_key(t) for t in held["optimizer_state"]}
+        # the rest as "Other" (ZeRO's flat buffers, pool, scratch; its state until its step names it): a storage
+        # the tracker knows already would be recategorised, so it is left out
+        known |= {_storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+        known |= {_storage_key(p.grad) for m in modules for p in m.parameters() if p.grad is not None}
+        rest = {}
+        for key in STATE_KEYS:
+            for t in held[key]:
+                rest.setdefault(_storage_key(t), t)
+        tracker.track_external(*(t for k, t in rest.items() if k not in known))
+        return tracker
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -129,12 +176,3 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
 
     local = t.to_local() if isinstance(t, DTensor) else t
     return str(local.device), local.untyped_storage().data_ptr()
-
-
-def _measure_cuda(step, modules, optimizer, device: torch.device) -> StepMemory:
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    torch.cuda.synchronize(device)  # CPU-GPU sync point: the step's kernels must have run
-    peak = torch.cuda.max_memory_allocated(device)
-    return StepMemory(int(peak), state_bytes(modules, optimizer), {"Total": int(peak)})
