@@ -520,6 +520,9 @@ class Run:
         return stop
 
     def _finish(self) -> dict[str, Any] | None:
+        if self._peak_tracker is not None:  # stopped before the first optimizer step: no peak to report
+            self._peak_tracker.stop()
+            self._peak_tracker = None
         state = self.strategy.full_model_state()  # collective for sharded models: before rank 0 goes its own way
         if not self.is_main:
             return None
