@@ -14,7 +14,7 @@ import copy
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from .planning import plan_sharding
 from .plot import write_progress_plot
 from .progress import MetricsLog, ProgressBar
 from .strategies import build_strategy
+
+if TYPE_CHECKING:
+    from ..shard.peak_memory import PeakTracker, StepMemory
 
 _PLOT_REFRESH_S = 10.0  # redraw the progress PNG at most this often (a redraw costs ~0.2 s on rank 0)
 # Every info record an output function gets has these keys (None when not known at that point).
@@ -92,6 +95,8 @@ class Run:
         self.job, self.opts = job, job.options
         self.rank, self.world_size, self.device = rank, world_size, device
         self.model_state_bytes: dict[str, int] | None = None  # measured at this call's first step (largest rank)
+        self.peak_memory_bytes: dict[str, int] | None = None  # the first step's peak (opts.measure_peak_memory)
+        self._peak_tracker: PeakTracker | None = None
         self.is_main = rank == 0
         self.objective = Objective(job.loss_fn)
         self.metric_names: list[str] | None = None  # what the loss returns beside itself, fixed at the first batch
@@ -438,6 +443,10 @@ class Run:
             scaler.update()
         else:
             self.optimizer.step()
+        if self._peak_tracker is not None:
+            self._peak_tracker.stop()
+            self.peak_memory_bytes = self._largest_peak(self._peak_tracker.result())
+            self._peak_tracker = None
         if self.scheduler is not None:
             self.scheduler.step()
         if self.model_state_bytes is None:  # the first step: everything a step keeps is there, gradients too
@@ -453,6 +462,16 @@ class Run:
             dist.all_gather(everyone, values)
             values = max(everyone, key=lambda v: int(v[0]))
         return dict(zip(("total", *mine), (int(v) for v in values.tolist()), strict=True))
+
+    def _largest_peak(self, memory: StepMemory) -> dict[str, int]:
+        """The step's peak on the rank with the highest (``"total"``, ``"rank"``) and that rank's state + buffers
+        after it (``"state"``)."""
+        values = torch.tensor([memory.peak, memory.state_total, self.rank], dtype=torch.int64, device=self.device)
+        if self.world_size > 1:
+            everyone = [torch.zeros_like(values) for _ in range(self.world_size)]
+            dist.all_gather(everyone, values)
+            values = max(everyone, key=lambda v: int(v[0]))
+        return dict(zip(("total", "state", "rank"), (int(v) for v in values.tolist()), strict=True))
 
     def _start_epoch(self) -> None:
         loader = self.train_loader
@@ -490,6 +509,11 @@ class Run:
                 self.batch_in_epoch += 1
                 last_micro = self.batch_in_epoch == group_start + group_size
                 batch = self._batch(batch)
+                if opts.measure_peak_memory and self.peak_memory_bytes is None and self._peak_tracker is None:
+                    from ..shard.peak_memory import PeakTracker
+
+                    self._peak_tracker = PeakTracker(self.strategy.model, self.optimizer, self.device)
+                    self._peak_tracker.start()  # from the first micro-batch to the end of the optimizer step
                 with self.strategy.no_sync(last_micro):
                     result = self.strategy.forward_backward(batch, 1 / group_size, self.autocast)
                 with torch.no_grad():
@@ -531,6 +555,9 @@ class Run:
         return stop
 
     def _finish(self) -> dict[str, Any] | None:
+        if self._peak_tracker is not None:  # stopped before the first optimizer step: no peak to report
+            self._peak_tracker.stop()
+            self._peak_tracker = None
         state = self.strategy.full_model_state()  # collective for sharded models: before rank 0 goes its own way
         if not self.is_main:
             return None
@@ -557,6 +584,7 @@ class Run:
             "elapsed": self.elapsed(),
             "sharding": self.strategy.name,
             "model_state_bytes": self.model_state_bytes,
+            "peak_memory_bytes": self.peak_memory_bytes,
         }
 
 

@@ -84,6 +84,9 @@ class TrainingOptions:
     # a parameter count (modules at least that big) | block class names (such as ("TransformerBlock",))
     fsdp_wrap: str | int | tuple[str, ...] = "auto"
     fsdp_reshard_after_forward: bool | None = None  # fsdp: free gathered parameters after forward (None: the plan's)
+    # measure the first step's peak memory per process (forward, backward, optimizer) into
+    # TrainingResult.peak_memory_bytes: torch's MemTracker on CPU (it slows that one step), max_memory_allocated on GPUs
+    measure_peak_memory: bool = False
     # "bf16": autocast to bfloat16 (CPUs, and GPUs that support it: on one that doesn't, the run stops saying so);
     # "fp16": autocast to float16 with loss scaling (torch.amp.GradScaler; fastpar's ShardedGradScaler under ZeRO),
     # GPUs only, with ddp, zero1 or zero2; None: full precision. True is "bf16", False is None.

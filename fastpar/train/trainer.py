@@ -73,6 +73,10 @@ class TrainingResult:
     # parameters, gradients, optimizer state and their total, in bytes, on the rank that held the most, measured
     # after this call's first step (None when it took none)
     model_state_bytes: dict[str, int] | None = None
+    # with TrainingOptions(measure_peak_memory=True): the most bytes live at once during this call's first step
+    # (forward, backward, optimizer step) on the process with the highest peak ("total", its "rank"), and the
+    # state + buffers that process held after the step ("state"); None otherwise
+    peak_memory_bytes: dict[str, int] | None = None
     logger_paths: dict[str, str] = dataclasses.field(default_factory=dict)  # logger name -> where it wrote
 
     @property
@@ -207,5 +211,6 @@ class Trainer:
             start_elapsed=raw.get("start_elapsed", 0.0),
             sharding=raw.get("sharding"),
             model_state_bytes=raw.get("model_state_bytes"),
+            peak_memory_bytes=raw.get("peak_memory_bytes"),
             logger_paths=raw.get("logger_paths", {}),
         )

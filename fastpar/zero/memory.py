@@ -13,9 +13,33 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["MEMORY_KEYS", "measure_memory"]
+__all__ = ["MEMORY_KEYS", "held_tensors", "measure_memory"]
 
 MEMORY_KEYS = ("parameters", "gradients", "optimizer_state", "gradient_pool", "total")
+
+
+def held_tensors(optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
+    """The tensors a ``ShardedOptimizer`` holds on this rank, by category (see :func:`measure_memory`):
+    ``"parameters"``, ``"gradients"`` (the pool's buffers first), ``"optimizer_state"``. A tensor may appear
+    in two categories; counting keeps the first."""
+    collective, sharded = optimizer._collective, optimizer._sharded
+    params = list(optimizer.model.module.parameters())
+    pool = getattr(collective, "pool", None)
+    grads: list[torch.Tensor | None] = list(pool.tensors()) if pool is not None else []
+    if optimizer.stage == 2:
+        grads += collective.gradient_tensors()
+    else:
+        for zb in sharded:
+            grads += [zb.bucket.grad_flat, zb.bucket.comm_flat, zb.scratch]
+    grads += [p.grad for p in params] + [zb.shard_param.grad for zb in sharded]
+    state = [
+        v for inner in optimizer._inner for state in inner.state.values() for v in state.values() if torch.is_tensor(v)
+    ]
+    return {
+        "parameters": [*params, *(zb.param_flat for zb in sharded)],
+        "gradients": [t for t in grads if t is not None],
+        "optimizer_state": state,
+    }
 
 
 def measure_memory(optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -35,22 +59,12 @@ def measure_memory(optimizer: torch.optim.Optimizer) -> dict[str, int]:
             total += storage.nbytes()
         return total
 
-    collective, sharded = optimizer._collective, optimizer._sharded
-    params = list(optimizer.model.module.parameters())
-    report = {"parameters": count([*params, *(zb.param_flat for zb in sharded)])}
-    pool = getattr(collective, "pool", None)
+    held = held_tensors(optimizer)
+    pool = getattr(optimizer._collective, "pool", None)
+    report = {"parameters": count(held["parameters"])}
     pool_bytes = count(pool.tensors()) if pool is not None else 0
-    grads: list[torch.Tensor | None] = []
-    if optimizer.stage == 2:
-        grads += collective.gradient_tensors()
-    else:
-        for zb in sharded:
-            grads += [zb.bucket.grad_flat, zb.bucket.comm_flat, zb.scratch]
-    grads += [p.grad for p in params] + [zb.shard_param.grad for zb in sharded]
-    report["gradients"] = pool_bytes + count(grads)
-    report["optimizer_state"] = count(
-        v for inner in optimizer._inner for state in inner.state.values() for v in state.values() if torch.is_tensor(v)
-    )
+    report["gradients"] = pool_bytes + count(held["gradients"])
+    report["optimizer_state"] = count(held["optimizer_state"])
     report["gradient_pool"] = pool_bytes
     report["total"] = report["parameters"] + report["gradients"] + report["optimizer_state"]
     return report

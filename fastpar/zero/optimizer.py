@@ -51,7 +51,7 @@ from .checks import (
 from .clip import ShardNorms
 from .collectives import ZeroCollective
 from .hooks import ParameterGate
-from .memory import measure_memory
+from .memory import held_tensors, measure_memory
 from .partial_step import step_shard
 from .sharded_gradients import ShardedGradientCollective
 from .state import gather_full_state, shard_state
@@ -370,6 +370,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``"optimizer_state"`` (the wrapped optimizer's state tensors), ``"gradient_pool"`` (the part of
         ``"gradients"`` in the stage-2 pool; 0 at stage 1) and ``"total"``."""
         return measure_memory(self)
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors :meth:`memory_report` counts, by the same categories (a tensor may appear in two): what
+        a memory tracker must know of before a step (``fastpar.shard.peak_memory``)."""
+        return held_tensors(self)
 
     def _wait_buckets(self, indices) -> None:
         for i in indices:

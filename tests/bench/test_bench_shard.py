@@ -35,12 +35,48 @@ def test_shard_benchmark_measures_every_strategy_beside_the_plan(backend, tmp_pa
     assert data["summary"]["goals_met"] == all(g["met"] for g in goals.values())
 
 
+@pytest.mark.slow
+def test_shard_memory_benchmark_prints_peak_state_plan_paper_and_goals(tmp_path, capsys):
+    out = tmp_path / "memory.json"
+    argv = ["shard", "--memory", "--tiny", "--models", "decoder,cnn", "--nproc", "2", "--backend", "gloo"]
+    assert main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    for line in (
+        "goal: decoder zero2: |plan / measured - 1| of the step's peak <= 10%",
+        "goal: cnn fsdp: |plan / measured - 1| of state + buffers <= 5%",
+        "goal: decoder: zero2 (state + buffers - staging) <= 1.10x (P + (G + S)/N)",
+        "goal: cnn: zero1 (state + buffers - staging) <= 1.10x (P + G + S/N)",
+        "goal: cnn: max(zero2 / zero1, zero1 / ddp) of state + buffers <= 0.999x (zero2 < zero1 < ddp)",
+    ):
+        assert line in printed
+    assert "peak MiB" in printed and "paper MiB" in printed
+    data = json.loads(out.read_text())
+    strategies = ["ddp", "zero1", "zero2", "fsdp"]
+    expected = [(m, s, r) for m in ("decoder", "cnn") for s in strategies for r in (0, 1)]
+    assert [(r["model"], r["strategy"], r["rank"]) for r in data["rows"]] == expected
+    for name, model in data["summary"]["memory"].items():
+        p = model["P"]
+        by = model["strategies"]
+        for strategy in strategies:
+            for rank in by[strategy]["per_rank"]:
+                assert rank["peak"] >= rank["total"] > 0
+            assert by[strategy]["plan_peak"] > by[strategy]["plan_state"] > 0
+        ddp = by["ddp"]["per_rank"][0]
+        assert ddp["parameters"] == p and ddp["gradients"] == p and by["ddp"]["paper"] == 4 * p
+        if name == "cnn":
+            assert ddp["buffers"] > 0  # BatchNorm's running statistics
+        assert max(r["total"] for r in by["fsdp"]["per_rank"]) < ddp["total"]
+    assert len(data["summary"]["goals"]) == 2 * (2 * len(strategies) + 4)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["shard", "--nproc", "1"], "--nproc must be at least 2"),
         (["shard", "--depth", "0"], "--depth must be at least 1"),
         (["shard", "--device-memory", "lots"], "--device-memory"),
+        (["shard", "--memory", "--models", "resnet"], "--models: unknown resnet"),
+        (["shard", "--tiny"], "add --memory"),
     ],
 )
 def test_shard_benchmark_refuses_what_cannot_run(argv, message, capsys):

@@ -19,6 +19,9 @@ Before timing every variant takes one step on the same batches; its parameters m
 bit for bit for ZeRO, within rounding for the fully sharded and pipelined steps (their sums run in another
 order). Memory is what each rank holds after a step (parameters, gradients, optimizer state: storages counted
 once), next to the planner's prediction for the same strategy, world size and batch.
+
+``--memory`` measures memory instead of time, on other models (shard_memory.py): each strategy's peak over a
+whole step and its state + buffers per rank, beside the plan's prediction and the ZeRO paper's figure.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ..context import BenchContext
 from ..goals import AT_MOST, Goal
 from ..harness import BenchUsageError, WrongResultError, count_mismatches
 from ..table import BenchReport, Column, PlotSpec
+from .shard_models import DEFAULT_MODELS, MODELS
 from .training_step import floor_flags, pair_flag
 
 DESCRIPTION = (
@@ -354,8 +358,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("shard")
     group.add_argument("--width", type=int, default=1024, help="features of each Linear (default 1024)")
     group.add_argument("--depth", type=int, default=8, help="blocks of Linear + GELU (default 8)")
-    group.add_argument("--batch", type=int, default=64, help="rows per step per rank (default 64)")
+    group.add_argument(
+        "--batch", type=int, default=None, help="rows per step per rank (default 64; --memory: each model's own)"
+    )
     group.add_argument("--microbatches", type=int, default=4, help="the pipeline's microbatches per step (default 4)")
+    group.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure each strategy's peak and state + buffers per rank on several models, beside the plan and the "
+        "ZeRO paper's figure (no timing)",
+    )
+    group.add_argument(
+        "--models",
+        default=None,
+        help=f"with --memory: comma-separated, of {', '.join(MODELS)} (default {','.join(DEFAULT_MODELS)}; all: every one)",
+    )
+    group.add_argument("--tiny", action="store_true", help="with --memory: the models at toy sizes (a quick check)")
     group.add_argument(
         "--device-memory", default=None, help="the planner's memory per device, e.g. 64MB (default 64GiB)"
     )
@@ -365,7 +383,13 @@ def run(ctx: BenchContext) -> BenchReport | None:
     flags = ctx.flags
     if ctx.nproc == 1:
         raise BenchUsageError("shard compares strategies across ranks: --nproc must be at least 2")
-    for name in ("width", "depth", "batch", "microbatches"):
+    if flags.batch is not None and flags.batch < 1:
+        raise BenchUsageError(f"--batch must be at least 1, got {flags.batch}")
+    if flags.memory:
+        return _run_memory(ctx)
+    if flags.models is not None or flags.tiny:
+        raise BenchUsageError("--models and --tiny choose what --memory measures; add --memory")
+    for name in ("width", "depth", "microbatches"):
         if getattr(flags, name) < 1:
             raise BenchUsageError(f"--{name} must be at least 1, got {getattr(flags, name)}")
     memory = None
@@ -376,5 +400,18 @@ def run(ctx: BenchContext) -> BenchReport | None:
             memory = parse_bytes(flags.device_memory)
         except (ValueError, UserError) as exc:
             raise BenchUsageError(f"--device-memory: {exc}") from None
-    settings = ShardSettings(flags.width, flags.depth, flags.batch, flags.microbatches, memory)
+    settings = ShardSettings(flags.width, flags.depth, flags.batch or 64, flags.microbatches, memory)
     return launch.run_distributed(_rank_main, ctx, settings)
+
+
+def _run_memory(ctx: BenchContext) -> BenchReport | None:
+    from .shard_memory import MemorySettings, memory_rank_main
+
+    flags = ctx.flags
+    text = flags.models or ",".join(DEFAULT_MODELS)
+    names = MODELS if text == "all" else tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in names if m not in MODELS]
+    if unknown or not names:
+        raise BenchUsageError(f"--models: unknown {', '.join(unknown) or 'none given'}; of {', '.join(MODELS)} or all")
+    settings = MemorySettings(tuple(dict.fromkeys(names)), flags.batch, flags.tiny)
+    return launch.run_distributed(memory_rank_main, ctx, settings)
