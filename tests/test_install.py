@@ -321,6 +321,7 @@ _TEST_MODULE_DISTRIBUTIONS = {
     "PIL.Image": "pillow",
     "PIL": "pillow",
     "matplotlib": "matplotlib",
+    "tokenizers": "tokenizers",
     "tqdm": None,  # a dependency of fastpar itself
     "tomllib": None,  # the standard library from Python 3.11
     "cupy": None,
