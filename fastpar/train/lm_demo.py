@@ -50,7 +50,7 @@ class Size:
     threshold: float
 
 
-DEFAULT = Size(n_layer=4, n_head=4, n_embd=128, seq_len=128, batch_size=16, steps=300, megabytes=2.0, lr=3e-3,
+DEFAULT = Size(n_layer=4, n_head=4, n_embd=128, seq_len=128, batch_size=16, steps=400, megabytes=2.0, lr=3e-3,
                threshold=2.5)  # fmt: skip
 QUICK = Size(n_layer=2, n_head=2, n_embd=64, seq_len=64, batch_size=8, steps=60, megabytes=0.3, lr=3e-3,
              threshold=3.2)  # fmt: skip
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         output_dir=str(root / "output"),
         checkpoint_dir=str(checkpoints),
         checkpoint_every=every,
-        lr_scheduler=functools.partial(warmup_cosine, total_steps=steps, warmup=max(1, steps // 20)),
+        lr_scheduler=functools.partial(warmup_cosine, total_steps=steps, warmup=max(1, min(40, steps // 10))),
         output_fns=(StopAt(steps),),
     )
     result = Trainer(

@@ -122,3 +122,51 @@ def test_the_lm_benchmark_prints_its_table_on_the_smallest_run():
     out = done.stdout
     for text in ("fastpar bench lm", "torch_ddp", "no_comm", "curve check", "IDENTICAL", "goal: fastpar >= 1.00x"):
         assert text in out, out
+
+
+def _lm_context(*argv: str):
+    from fastpar.bench.cli import BENCHMARKS, prepare
+
+    return prepare("lm", list(argv), {**BENCHMARKS, "lm": "fastpar.train.bench_lm"})
+
+
+def test_the_lm_benchmark_states_its_goal_and_flags_a_run_faster_than_its_floor():
+    from fastpar.train import bench_lm
+
+    module, ctx = _lm_context("--model", "tiny", "--steps", "6")
+    model = {"vocab_size": 257, "seq_len": 32, "n_layer": 1, "n_head": 2, "n_embd": 32}
+    spec = bench_lm.RunSpec(model, 4, 2, 6, 3e-3, False, "unused.bin", log_every=1)
+
+    def runs(fastpar: float) -> dict:
+        speeds = {"fastpar": fastpar, "torch_ddp": 1000.0, "no_comm": 1200.0}
+        return {name: [{"tokens_per_s": s, "last_loss": 3.0, "sharding": "ddp"}] for name, s in speeds.items()}
+
+    report = bench_lm._report(ctx, spec, 2, runs(1100.0), "curve check: ... -> IDENTICAL", cpus=2)
+    assert report.goals[0].line() == "goal: fastpar >= 1.00x torch_ddp: 1.10x (1100 vs 1000 tokens/s) -> MET"
+    assert [row["variant"] for row in report.rows] == ["fastpar", "torch_ddp", "no_comm"]
+    assert any(line.startswith("peer: torch_ddp") for line in report.footer)
+    assert any(line.startswith("floor: no_comm") for line in report.footer)
+    assert bench_lm._report(ctx, spec, 2, runs(900.0), "", cpus=2).goals[0].state == "NOT MET"
+    assert bench_lm._report(ctx, spec, 2, runs(1300.0), "", cpus=2).goals[0].state == "IMPOSSIBLE"
+
+
+def test_the_curve_check_refuses_runs_that_differ():
+    from fastpar.bench.harness import WrongResultError
+    from fastpar.train.bench_lm import _check_curves
+
+    params = {"w": torch.ones(3)}
+    same = _check_curves({"losses": [3.0, 2.5], "params": params}, {"losses": [3.0, 2.5], "params": params})
+    assert "IDENTICAL" in same
+    with pytest.raises(WrongResultError, match="largest loss difference"):
+        _check_curves({"losses": [3.0, 2.5], "params": params}, {"losses": [3.0, 2.6], "params": params})
+    with pytest.raises(WrongResultError, match=r"parameters that differ: \['w'\]"):
+        _check_curves({"losses": [3.0], "params": params}, {"losses": [3.0], "params": {"w": torch.zeros(3)}})
+
+
+def test_the_lm_benchmark_is_on_the_bench_command_line(capsys):
+    from fastpar.cli import bench_main
+
+    assert bench_main(["lm", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "nanoGPT-style torch DDP loop" in out and "--grad-accum" in out and "--sharding" in out
+    assert bench_main(["lm", "-n", "2"]) == 2  # one call is one whole run
