@@ -1,15 +1,15 @@
 """``fastpar lm-demo``: train a small GPT-style decoder on the Python standard library's own sources.
 
 Text every machine has offline: the ``.py`` files at the top of the standard library's folder, sorted by
-name and taken until ``--megabytes``, tokenized byte by byte (256 byte values and an end-of-text id) by
+name and taken until they hold 2 MB (0.3 MB with ``--quick``), tokenized byte by byte (256 byte values and an end-of-text id) by
 :func:`fastpar.data.prepare_tokens` into ``DIR/tokens``. The model is :class:`fastpar.train.gpt.GPT` (tied
 embeddings, causal attention); the Trainer runs it on CPU processes with ``sharding="auto"``, bf16 autocast
 where the CPU computes in bf16 natively (AVX512-BF16/AMX; elsewhere full precision), validation on the held-out
 files, checkpoints, TensorBoard and CSV logs and the training-progress plot.
 
 The loss starts at ln(257) ~ 5.55 (uniform over bytes); the run exits 1 unless the final validation loss is
-below ``--threshold`` (default 2.5 nats per byte; ~2.8 is what predicting each byte from its frequencies alone
-reaches).
+below ``--threshold`` (default 2.5 nats per byte). On the default text, predicting each byte from its frequency
+alone scores 3.14 and from the byte before it 2.40 (both counted on the training text itself).
 """
 
 from __future__ import annotations
