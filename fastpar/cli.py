@@ -31,10 +31,14 @@ COMMANDS = {
         "fastpar.train.shard_demo",
         "train a transformer several times one process's memory budget, sharded as the planner picks",
     ),
+    "lm-demo": (
+        "fastpar.train.lm_demo",
+        "train a small GPT on the Python standard library's sources on CPU processes; fails above a val loss",
+    ),
     "jobs": ("fastpar.jobs.cli", "background and batch jobs: list, status, logs, result, cancel"),
 }
 # benchmarks that live above fastpar.bench (which must not import them), added to its table: name -> module
-UPPER_BENCHMARKS = {"sweep": "fastpar.jobs.bench_sweep"}
+UPPER_BENCHMARKS = {"sweep": "fastpar.jobs.bench_sweep", "lm": "fastpar.train.bench_lm"}
 
 
 def bench_main(argv: list[str]) -> int:
