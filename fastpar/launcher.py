@@ -38,10 +38,20 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .host import under_torchrun
+from .rendezvous import (
+    BOUND_RDZV_BACKEND,
+    LOOPBACK,
+    address_towards,
+    bound_store,
+    interface_of,
+    is_loopback,
+    listen_address,
+    register_bound_rendezvous,
+)
 
+BOUND_STORES_ENV = "FASTPAR_BOUND_STORES"
 COLLECTIVE_TIMEOUT_S = 600.0  # a collective waiting longer than this fails instead of hanging
 SPAWN_COLLECTIVE_TIMEOUT_S = 120.0  # tests and benchmarks: fail sooner
-LOOPBACK = "127.0.0.1"
 
 
 class RankError(RuntimeError):
@@ -61,23 +71,7 @@ def loopback_store(timeout_s: float = 60.0, port: int = 0) -> dist.TCPStore:
     torch's TCPStore binds every interface; bound here and handed over as ``master_listen_fd`` it serves
     loopback alone. Raises OSError when ``port`` is taken.
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind((LOOPBACK, port))
-        store = dist.TCPStore(
-            LOOPBACK,
-            sock.getsockname()[1],
-            None,
-            True,
-            datetime.timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=sock.fileno(),
-        )
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store's server owns the listening socket now and closes it with itself
-    return store
+    return bound_store(LOOPBACK, timeout_s, port)
 
 
 def loopback_env(port: int, rank: int | None = None, world_size: int | None = None) -> dict[str, str]:
@@ -238,54 +232,18 @@ def _agent_worker(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
         raise SystemExit(130) from None
 
 
-_LOOPBACK_RDZV_BACKEND = "fastpar-loopback"
-_RDZV_READ_TIMEOUT_S = 60.0  # torch's c10d rendezvous store default
-
-
-def _is_loopback(host: str) -> bool:
-    return host in (LOOPBACK, "localhost", "::1")
-
-
-def _loopback_rendezvous_handler(params):
-    """torch's c10d dynamic rendezvous with both of its stores on 127.0.0.1 only: the rendezvous store (hosted
-    by the first agent able to bind the endpoint's port, the others its clients) and the workers' store."""
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-
-    class LoopbackRendezvousHandler(DynamicRendezvousHandler):
-        # torch's private hook for the workers' store: were it renamed, that store would listen on every
-        # interface again, which the socket-table test of the local launch reports
-        def _create_tcp_store_server(self, master_addr, master_port):  # the workers' store, on rank 0's agent
-            return loopback_store(_RDZV_READ_TIMEOUT_S, master_port)
-
-        def get_backend(self) -> str:
-            return _LOOPBACK_RDZV_BACKEND
-
-    port = int(params.endpoint.rsplit(":", 1)[1])
-    try:
-        store = loopback_store(_RDZV_READ_TIMEOUT_S, port)
-    except OSError:  # another agent of this run on this machine hosts it
-        store = dist.TCPStore(
-            LOOPBACK, port, None, is_master=False, timeout=datetime.timedelta(seconds=_RDZV_READ_TIMEOUT_S)
-        )
-    backend = C10dRendezvousBackend(store, params.run_id)
-    return LoopbackRendezvousHandler.from_backend(
-        params.run_id, store, backend, params.min_nodes, params.max_nodes, local_addr=LOOPBACK
-    )
-
-
-def _register_loopback_rendezvous() -> None:
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-
-    rendezvous_handler_registry.register(_LOOPBACK_RDZV_BACKEND, _loopback_rendezvous_handler)  # idempotent
-
-
-def network_notice(endpoint: str, also: str = "the workers' store") -> str:
-    """The line a multi-node run prints: where its stores listen, and that the network must be trusted."""
+def network_notice(endpoint: str, also: str = "the workers' store", bound: bool = True) -> str:
+    """The line a multi-node run prints: where its stores listen, and that the network must be trusted.
+    ``bound``: the stores are fastpar's, bound to one address (torchrun's own listen on every interface)."""
     host, port = endpoint.rsplit(":", 1)
+    try:
+        address = listen_address(host) if bound else "0.0.0.0"
+    except ConnectionError:  # a name that does not resolve here; the agent then fails naming it
+        address = host
+    where = "every interface of the host" if address in ("0.0.0.0", "::") else f"{address} only"
     return (
-        f"fastpar: this job's store listens on {host}:{port} (every interface of {host}, and {also} on a second "
-        f"port there); the network between the nodes must be trusted: whoever reaches these ports can read the "
+        f"fastpar: this job's store listens on {host}:{port} ({where}, and {also} on a second port of rank 0's "
+        f"node); the network between the nodes must be trusted: whoever reaches these ports can read the "
         f"job's keys and run code in its processes"
     )
 
@@ -299,6 +257,7 @@ def launch_agent(
     rdzv_endpoint: str | None = None,
     run_id: str | None = None,
     max_restarts: int = 0,
+    local_addr: str | None = None,
 ) -> dict[int, Any]:
     """Run torch's elastic agent here with ``nproc_per_node`` workers; return the workers' values by global rank.
 
@@ -307,8 +266,11 @@ def launch_agent(
     ``nnodes == 1`` without an endpoint: a c10d rendezvous on 127.0.0.1 at a free port. ``nnodes > 1``: this
     agent is one of ``nnodes`` meeting at ``rdzv_endpoint`` (``HOST:PORT``) under the shared ``run_id``;
     global ranks are assigned by the rendezvous. Ctrl-C stops the workers and raises KeyboardInterrupt.
-    An endpoint on 127.0.0.1 keeps every store on loopback; any other endpoint listens on the network and says
-    so on stderr (the network between the nodes must be trusted).
+    Every store listens on one address (fastpar.rendezvous): an endpoint on 127.0.0.1 keeps them on loopback;
+    any other endpoint listens on the network and says so on stderr (the network between the nodes must be
+    trusted). ``local_addr``: the address this node advertises to the others (default: the one its routes use
+    to reach the endpoint); gloo's interface follows it unless ``GLOO_SOCKET_IFNAME`` is set. A node that
+    cannot reach the endpoint fails in seconds naming the address.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -318,23 +280,26 @@ def launch_agent(
     if nnodes > 1 and not (rdzv_endpoint and run_id):
         raise ValueError("a multi-node launch needs rdzv_endpoint='HOST:PORT' and a run_id shared by every node")
     endpoint = rdzv_endpoint or f"{LOOPBACK}:{free_port()}"
-    loopback = _is_loopback(endpoint.rsplit(":", 1)[0].strip("[]"))
-    if loopback:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # inherited by the workers
-        _register_loopback_rendezvous()
-    else:
+    host = endpoint.rsplit(":", 1)[0]
+    if not is_loopback(host) or listen_address(host) not in (LOOPBACK, "::1"):
         print(network_notice(endpoint), file=sys.stderr, flush=True)
+    local_addr = local_addr or (LOOPBACK if is_loopback(host) else address_towards(host))
+    register_bound_rendezvous()
+    # inherited by the workers: gloo on the advertised address's interface; the Trainer knows the agent has said
+    # where the stores listen
+    interface = os.environ.get("GLOO_SOCKET_IFNAME") or interface_of(local_addr)
+    worker_env = {BOUND_STORES_ENV: "1", **({"GLOO_SOCKET_IFNAME": interface} if interface else {})}
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nproc_per_node,
         run_id=run_id or f"fastpar-{secrets.token_hex(16)}",
-        rdzv_backend=_LOOPBACK_RDZV_BACKEND if loopback else "c10d",
+        rdzv_backend=BOUND_RDZV_BACKEND,
         rdzv_endpoint=endpoint,
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        local_addr=LOOPBACK if loopback else None,
+        local_addr=local_addr,
     )
     if callable(entrypoint):
         target, call_args = _agent_worker, (entrypoint, tuple(args))
@@ -344,6 +309,8 @@ def launch_agent(
     quiet = logging.getLogger("torch.distributed.elastic")
     previous = quiet.level
     quiet.setLevel(logging.ERROR)
+    saved = {name: os.environ.get(name) for name in worker_env}
+    os.environ.update(worker_env)
     try:
         return elastic_launch(config, target)(*call_args)
     except SignalException as exc:  # the agent has stopped the workers; report Ctrl-C as Python does
@@ -352,3 +319,8 @@ def launch_agent(
         raise
     finally:
         quiet.setLevel(previous)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -26,6 +26,8 @@ LAYERS = {
     "fastpar.comm": 31,  # the shared-memory backend loads its C++ half through fastpar.ops
     "fastpar.ops": 30,
     "fastpar.launcher": 10,  # spawning ranks and joining process groups
+    "fastpar.rendezvous": 9,  # where the stores listen, how an agent reaches the rendezvous
+    "fastpar.nodes": 8,  # nodes on one machine (namespaces, shaped links) for multi-node tests and benchmarks
     "fastpar.host": 5,
     "fastpar.user_errors": 5,
     "fastpar.safe_files": 6,  # writing in folders others may write: no symlink followed, no foreign folder

@@ -15,7 +15,7 @@ import torch
 
 from ..comm import cpu_backend
 from ..host import TORCHRUN_VARS, under_torchrun, usable_cpu_count
-from ..launcher import network_notice
+from ..launcher import BOUND_STORES_ENV, network_notice
 from ..user_errors import UserError
 
 _MAX_DEFAULT_CPU_PROCESSES = 4
@@ -93,9 +93,11 @@ def _cluster_plan(threads: int | None) -> Plan:
             "`torchrun --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py` "
             "on every node, or use execution_environment='auto' on one machine."
         )
-    if os.environ["RANK"] == "0" and os.environ["MASTER_ADDR"] not in ("127.0.0.1", "localhost", "::1"):
+    stock = os.environ.get(BOUND_STORES_ENV) != "1"  # torchrun's own agent, not fastpar's launch_agent (it said)
+    if stock and os.environ["RANK"] == "0" and os.environ["MASTER_ADDR"] not in ("127.0.0.1", "localhost", "::1"):
         endpoint = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        print(network_notice(endpoint, also="torchrun's rendezvous store"), file=sys.stderr, flush=True)
+        notice = network_notice(endpoint, also="torchrun's rendezvous store", bound=False)
+        print(notice, file=sys.stderr, flush=True)
     cuda = gpu_count() > 0
     threads = threads or max(1, usable_cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"]))
     return Plan("cluster", 0, "nccl" if cuda else "gloo", "cuda" if cuda else "cpu", (), threads)

@@ -161,7 +161,9 @@ def test_multi_node_agent_says_where_its_store_listens(monkeypatch, capsys):
         return lambda *args: {0: None}
 
     monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", fake_elastic_launch)
-    launcher.launch_agent("python", ("x.py",), nproc_per_node=1, nnodes=2, rdzv_endpoint="node1:29411", run_id="r")
+    launcher.launch_agent(
+        "python", ("x.py",), nproc_per_node=1, nnodes=2, rdzv_endpoint="node1:29411", run_id="r", local_addr="10.0.0.5"
+    )
     lines = [line for line in capsys.readouterr().err.splitlines() if "node1:29411" in line]
     assert len(lines) == 1, lines
     assert "trusted" in lines[0]
