@@ -166,7 +166,9 @@ def bound_rendezvous_handler(params):
         store = bound_store(host, RDZV_READ_TIMEOUT_S, port)
     except OSError:  # not this node's address, or another agent of this run on this node hosts it
         wait_until_reachable(name, port)
-        store = dist.TCPStore(resolve(name), port, None, is_master=False, timeout=datetime.timedelta(seconds=RDZV_READ_TIMEOUT_S))
+        store = dist.TCPStore(
+            resolve(name), port, None, is_master=False, timeout=datetime.timedelta(seconds=RDZV_READ_TIMEOUT_S)
+        )
     backend = C10dRendezvousBackend(store, params.run_id)
     return BoundRendezvousHandler.from_backend(
         params.run_id, store, backend, params.min_nodes, params.max_nodes, local_addr=local_addr

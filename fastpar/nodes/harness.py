@@ -73,7 +73,10 @@ def _netns_names() -> list[str]:
 def _kill_netns_processes(netns: str) -> None:
     """SIGKILL every process whose network namespace is ``netns`` (its holders and anything started on it)."""
     for _ in range(50):
-        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()]
+        pids = [
+            int(p)
+            for p in subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+        ]
         if not pids:
             return
         for pid in pids:
@@ -174,8 +177,24 @@ class NodeCluster:
             netns = f"{self.tag}-n{i}"
             self._add_netns(netns)
             port = f"p{i}"
-            _ip("-n", self.switch, "link", "add", port, "mtu", str(self.mtu), "type", "veth", "peer", "name", "eth0",
-                "mtu", str(self.mtu), "netns", netns)
+            _ip(
+                "-n",
+                self.switch,
+                "link",
+                "add",
+                port,
+                "mtu",
+                str(self.mtu),
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "mtu",
+                str(self.mtu),
+                "netns",
+                netns,
+            )
             _ip("-n", self.switch, "link", "set", port, "master", "br0")
             _ip("-n", self.switch, "link", "set", port, "up")
             address = f"{SUBNET}.{i + 1}"
@@ -195,8 +214,23 @@ class NodeCluster:
         """tbf at the link's rate: a bucket of 1 ms of traffic (at least 64 KiB, so a full-size GSO packet
         passes) and a queue of 20 ms, so a transfer takes its bytes / rate give or take a millisecond."""
         burst = max(64 * 1024, int(self.rate_bits / 8 / 1000))
-        command = ["tc", "-n", netns, "qdisc", "replace", "dev", device, "root", "tbf", "rate", self.link,
-                   "burst", str(burst), "latency", "20ms"]
+        command = [
+            "tc",
+            "-n",
+            netns,
+            "qdisc",
+            "replace",
+            "dev",
+            device,
+            "root",
+            "tbf",
+            "rate",
+            self.link,
+            "burst",
+            str(burst),
+            "latency",
+            "20ms",
+        ]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode:
             raise NodeHarnessError(f"`{' '.join(command)}` failed: {done.stderr.strip()}")
@@ -209,8 +243,24 @@ class NodeCluster:
             " && echo ready && exec sleep infinity"
         )
         holder = subprocess.Popen(
-            ["ip", "netns", "exec", netns, "unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", script],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            [
+                "ip",
+                "netns",
+                "exec",
+                netns,
+                "unshare",
+                "--uts",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                script,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         line = holder.stdout.readline().strip()
         if line != "ready":

@@ -62,8 +62,13 @@ def _on_nodes(nodes, nproc: int, out: Path) -> tuple[dict[str, torch.Tensor], li
     for _ in range(2):
         endpoint, run_id = f"{nodes[0].address}:{RDZV_PORT}", uuid.uuid4().hex
         agents = [
-            node.popen(_agent_argv(len(nodes), nproc, endpoint, run_id, out), env=_env(),
-                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            node.popen(
+                _agent_argv(len(nodes), nproc, endpoint, run_id, out),
+                env=_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             for node in nodes
         ]
         finished, outputs = _finish(agents)
@@ -78,8 +83,9 @@ def _assert_same(params: dict[str, torch.Tensor], reference: dict[str, torch.Ten
         assert torch.equal(params[name], tensor), f"{name} differs between {what}"
 
 
-@pytest.mark.parametrize("count, nproc", [(2, 1), pytest.param(3, 1, marks=pytest.mark.slow),
-                                          pytest.param(2, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "count, nproc", [(2, 1), pytest.param(3, 1, marks=pytest.mark.slow), pytest.param(2, 2, marks=pytest.mark.slow)]
+)
 def test_nodes_train_bit_identical_to_one_machine(make_nodes, tmp_path, count, nproc):
     reference = _one_machine(count * nproc, tmp_path / "one.pt")
     nodes = make_nodes(count, link="1gbit")
@@ -116,8 +122,13 @@ def test_a_node_that_cannot_reach_the_rendezvous_fails_in_seconds_naming_it(make
     nodes = make_nodes(2, link=None)
     host = "10.214.0.1" if where == "no route" else "10.213.0.99"  # another network; no node has .99
     start = time.monotonic()
-    done = nodes[1].run(_agent_argv(2, 1, f"{host}:{RDZV_PORT}", "r", tmp_path / "x.pt"), env=_env(),
-                        capture_output=True, text=True, timeout=120)
+    done = nodes[1].run(
+        _agent_argv(2, 1, f"{host}:{RDZV_PORT}", "r", tmp_path / "x.pt"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     seconds = time.monotonic() - start
     assert done.returncode != 0
     assert f"{host}:{RDZV_PORT}" in done.stderr or f"{host} ({host})" in done.stderr, done.stderr[-2000:]

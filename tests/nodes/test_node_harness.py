@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -57,7 +56,7 @@ def test_nodes_have_their_own_address_hostname_and_shared_memory(make_nodes):
     nodes[0].run(["sh", "-c", f"echo here > /dev/shm/{marker}"], check=True)
     for node in nodes:
         seen = node.run(
-            ["sh", "-c", f"hostname; ip -o -4 addr show dev eth0; ls /dev/shm"], capture_output=True, text=True
+            ["sh", "-c", "hostname; ip -o -4 addr show dev eth0; ls /dev/shm"], capture_output=True, text=True
         ).stdout.splitlines()
         assert seen[0] == node.hostname == f"node{node.index}"
         assert f" {node.address}/24 " in seen[1]
@@ -65,8 +64,11 @@ def test_nodes_have_their_own_address_hostname_and_shared_memory(make_nodes):
     assert not os.path.exists(f"/dev/shm/{marker}"), "a node's /dev/shm is the host's"
     # the same node: a second process sees the first one's file
     assert nodes[0].run(["cat", f"/dev/shm/{marker}"], capture_output=True, text=True).stdout == "here\n"
-    reach = nodes[2].run([sys.executable, "-c", f"import socket; socket.create_connection(('{nodes[0].address}', 9), 2)"],
-                         capture_output=True, text=True)
+    reach = nodes[2].run(
+        [sys.executable, "-c", f"import socket; socket.create_connection(('{nodes[0].address}', 9), 2)"],
+        capture_output=True,
+        text=True,
+    )
     assert "ConnectionRefused" in reach.stderr, "node 2 does not reach node 0 through the switch"
 
 

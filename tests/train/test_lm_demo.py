@@ -113,7 +113,9 @@ def test_the_quick_demo_trains_logs_and_passes(tmp_path):
     # sharding='auto' picks ddp (single files) or zero1/zero2 (DCP folders) by the memory planner
     printed = next(line for line in out.splitlines() if line.startswith("checkpoints "))
     saved = [Path(p.strip()) for p in printed.split(None, 1)[1].split(",")]
-    assert saved and all(p.parent == tmp_path / "checkpoints" and p.name.startswith("ckpt-") and p.exists() for p in saved)
+    assert saved and all(
+        p.parent == tmp_path / "checkpoints" and p.name.startswith("ckpt-") and p.exists() for p in saved
+    )
 
 
 @pytest.mark.slow
