@@ -234,6 +234,7 @@ class _Context:
             buckets=buckets,
             cpu_exchange=not self.on_gpu,
             options=full,
+            cap_bytes=self.caps[1],
         )
         forward, backward = self.measured.seconds(batch_size, self.seq_len)
         step = strategy_step_seconds(

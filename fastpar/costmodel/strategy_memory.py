@@ -6,10 +6,12 @@ What each strategy keeps, per device of ``N`` (``P`` parameter elements; itemsiz
 - ``ddp``: everything whole. Gradients live in the flat bucket buffers (views); reducing in a narrower
   dtype adds a second flat buffer of the reduce dtype.
 - ``zero1``: the optimizer state of 1/N of every bucket (buckets padded to a multiple of N). On gloo and the
-  fastpar backend the reduce-scatter is point-to-point, into a scratch buffer of (N-1)/N of each bucket.
-- ``zero2``: also the gradients as shards (1/N), plus a pool of three full-size buffers of the largest
-  bucket's size (one filling, one on the wire, one being summed) with their point-to-point scratch, and
-  autograd's full-size gradients of the bucket being filled (dropped when it launches).
+  fastpar backend the reduce-scatter is point-to-point, into a scratch buffer of (N-1)/N of each bucket, which
+  exists from the bucket's launch to the end of backward (not between steps).
+- ``zero2``: also the gradients as shards (1/N), plus a pool of three buffers (one filling, one on the wire, one
+  being summed) sized by ``zero_staging.staging_numel`` with their point-to-point scratch; in a step also
+  autograd's gradients not yet staged (the largest parameter's at least) and, for a parameter larger than a
+  buffer (reduced from its own gradient), its point-to-point scratch.
 - ``fsdp``: parameters, gradients and state as shards; each parameter's dim 0 padded to a multiple of N (as
   ``fully_shard`` does). In flight: the root unit (never resharded), the largest unit gathered plus the next
   one prefetched, and one unit's unsharded gradients before its reduce-scatter; with
@@ -28,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .model_spec import Layer
+from .zero_staging import POOL_CAPACITY, staging_numel
 
 __all__ = ["OPTIMIZER_STATE", "DtypeSizes", "MemoryBreakdown", "strategy_memory"]
 
@@ -38,7 +41,7 @@ OPTIMIZER_STATE = {
     "sgd": (0, False),
     "sgd-momentum": (1, False),
 }
-ZERO2_POOL_BUFFERS = 3  # ShardedOptimizer(shard_gradients=True)'s pool: filling, on the wire, being summed
+ZERO2_POOL_BUFFERS = POOL_CAPACITY  # ShardedOptimizer(shard_gradients=True)'s pool: filling, on the wire, being summed
 _STEP_BYTES = 4  # torch keeps Adam's step as a float32 scalar tensor per parameter (per bucket shard in ZeRO)
 
 
@@ -120,11 +123,13 @@ def strategy_memory(
     buckets: Sequence[int],
     cpu_exchange: bool,
     options: dict,
+    cap_bytes: int | None = None,
 ) -> MemoryBreakdown:
     """Bytes per device of ``strategy``; activations are the saved tensors per layer plus the ``transient``
     bytes of backward's start (``options``: ``reshard_after_forward`` for fsdp; ``stages``,
     ``schedule``, ``microbatches``, ``stage_layers`` (layer indices per stage), ``stage_activations`` (bytes per
-    stage for one microbatch), ``stage_transients``, ``boundary_bytes`` for pipeline); ``buckets``: bucket sizes in elements."""
+    stage for one microbatch), ``stage_transients``, ``boundary_bytes`` for pipeline); ``buckets``: bucket sizes in elements;
+    ``cap_bytes``: the bucket cap (ZeRO-2's staging is bounded by twice it; default: the largest bucket)."""
     n = devices
     numel = sum(layer.numel for layer in layers)
     tensors = sum(len(layer.param_shapes) for layer in layers)
@@ -147,19 +152,25 @@ def strategy_memory(
                 state,
                 activations,
                 scratch + narrow,
-                persistent_buffers=scratch + narrow,
+                persistent_buffers=narrow,
             )
-        largest = max(padded, default=0)
+        # the runtime's rule (fastpar.zero.gradient_pool): buckets split to fit buffers of ``limit`` elements, a
+        # parameter larger than that reduced from its own gradient with a scratch made for it while in flight
+        cap = cap_bytes if cap_bytes is not None else max(padded, default=0) * rb
+        limit = staging_numel(numel, rb, n, cap, cpu_exchange)
+        largest_param = max((_numel(shape) for layer in layers for shape in layer.param_shapes), default=0)
+        buffer = min(max(padded, default=0), limit)
         lent = min(ZERO2_POOL_BUFFERS, len(padded))  # allocated on first use: never more than there are buckets
-        pool = lent * largest * rb  # full-size reduce buffers, each the largest bucket's size
-        scratch = int(lent * largest * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
-        unlaunched = largest * pb  # autograd's full-size .grad of the bucket being filled, dropped at its launch
+        pool = lent * buffer * rb
+        scratch = int(lent * buffer * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
+        own_scratch = int(largest_param * (n - 1) / n * rb) if cpu_exchange and n > 1 and largest_param > limit else 0
+        unlaunched = max(buffer, largest_param) * pb  # autograd's .grad not yet staged, dropped at its launch
         return MemoryBreakdown(
             total_padded * pb,
             total_padded // n * pb,
             state,
             activations,
-            pool + scratch + unlaunched,
+            pool + scratch + unlaunched + own_scratch,
             persistent_buffers=pool + scratch,
         )
     if strategy == "fsdp":

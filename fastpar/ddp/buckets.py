@@ -267,6 +267,11 @@ class Bucket:
         return one (:class:`fastpar.zero.layout.PooledBucket`). Reading ``comm_flat`` itself never allocates."""
         return self.comm_flat
 
+    def may_stage_early(self) -> bool:
+        """Whether a gradient may be staged now, on arrival, before the bucket launches: always for a bucket that
+        owns its buffer; a pooled ZeRO-2 bucket only while its pool keeps a buffer for the next launch."""
+        return True
+
     def reset(self) -> None:
         self.pending = len(self.slots)
         self.work = None

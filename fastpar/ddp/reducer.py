@@ -212,6 +212,11 @@ class Reducer(BucketLayout, TorchReducerApi, ExtensionBridge, UnusedParameterPol
         if self._next != launched and self.finishing.finished < launched:
             self._finish_early()  # each time a bucket goes out: finish the earlier ones already back
 
+    @property
+    def next_bucket(self) -> int:
+        """The index of the bucket to launch next in this backward (buckets launch strictly in order)."""
+        return self._next
+
     def _accumulate_locally(self, slot: ParamSlot) -> None:
         """no_sync: keep accumulating in the bucket view (torch's view semantics leave a fresh gradient alone)."""
         grad = slot.param.grad
@@ -236,6 +241,7 @@ class Reducer(BucketLayout, TorchReducerApi, ExtensionBridge, UnusedParameterPol
                 and slot.numel >= self._arrival_min
                 and grad is not None
                 and grad is not slot.grad_view
+                and bucket.may_stage_early()
             ):
                 with self._timed("pack", (slot,)):
                     gradient_path.stage(bucket, [slot], self._bucket_scale())

@@ -10,8 +10,9 @@ each rank's ``param_flat`` slice reaches every rank):
   received, in gloo's ring order (gloo_order.py) -- so the sums have the bits of torch DDP's all-reduce.
   gloo's own reduce-scatter is several times slower than its all-reduce (measured: 155 vs 33 ms for 24 MB
   at 2 ranks); the exchange moves the same bytes as half an all-reduce. The peers' slices land in a
-  scratch buffer of ``(p - 1) / p`` of the bucket, kept per bucket (buckets are in flight together; at
-  stage 2 lent with the bucket's buffer by the pool instead, sharded_gradients.py).
+  scratch buffer of ``(p - 1) / p`` of the bucket, made at its launch and freed once the slices are summed
+  (buckets are in flight together; at stage 2 lent with the bucket's buffer by the pool instead,
+  sharded_gradients.py) -- so between steps no rank holds it.
   On CPU the messages are posted by a background thread (p2p_posting.py says why).
 
 ``"auto"``: p2p on gloo and on fastpar's shared-memory backend (whose all-reduce sums in gloo's ring order, so
@@ -113,6 +114,7 @@ class ZeroCollective:
         zb = self.sharded[bucket.index]
         comm = bucket.comm_flat
         self._sum_received(zb, comm)
+        zb.scratch = None  # summed: not kept to the next backward
         if comm is not bucket.grad_flat:  # reduced in bf16/fp16: widen into the fp32 gradient shard, exactly
             zb.grad_shard.copy_(zb.region(comm, self.rank))
         for slot in bucket.slots:

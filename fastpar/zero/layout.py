@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ..costmodel.zero_staging import split_to_fit
 from ..ddp.buckets import Bucket, ParamSlot, build_buckets
 from .gloo_order import SumRange, shard_sum_ranges
 
@@ -100,10 +101,10 @@ class PooledBucket(Bucket):
     bucket's size and dtype on the meta device -- no memory, and a write into it fails instead of landing
     anywhere. Reading ``comm_flat`` (a memory count, a dtype) never borrows."""
 
-    __slots__ = ("lend", "placeholder")
+    __slots__ = ("lend", "placeholder", "early")
 
     def __init__(self, index: int, slots: list[ParamSlot], comm_dtype: torch.dtype | None, pad_to: int) -> None:
-        self.lend = self.placeholder = None
+        self.lend = self.placeholder = self.early = None
         super().__init__(index, slots, False, comm_dtype, pad_to)  # allocates a comm_flat, dropped at once
         self.placeholder = torch.empty(self.numel, dtype=self.comm_flat.dtype, device="meta")
         self.comm_flat = self.placeholder
@@ -114,6 +115,9 @@ class PooledBucket(Bucket):
         if self.comm_flat is self.placeholder and self.lend is not None:
             self.lend(self)  # sets comm_flat (and the slots' comm_view)
         return self.comm_flat
+
+    def may_stage_early(self) -> bool:
+        return self.comm_flat is not self.placeholder or self.early is None or self.early(self)
 
     @property
     def nbytes(self) -> int:
@@ -152,19 +156,24 @@ def build_sharded_buckets(
     rank: int,
     world_size: int,
     shard_gradients: bool = False,
+    max_numel: int | None = None,
 ) -> list[ShardedBucket]:
     """ZeRO buckets from a layout: each bucket of ``assignment`` split by parameter group (``group_of[slot
     index]``; members keep their order), padded, with the parameters moved into ``param_flat``. Stage 1:
     gradients live in bucket views (every ``.grad`` present now is moved there). Stage 2: :class:`PooledBucket`
-    (no full-size gradient buffer of its own)."""
+    (no full-size gradient buffer of its own), split further into runs of at most ``max_numel`` elements (one
+    larger parameter alone) so that they fit the pool's buffers."""
     split: list[list[int]] = []
     groups: list[int] = []
     for members in assignment:
         by_group: dict[int, list[int]] = {}
         for i in members:
             by_group.setdefault(group_of[i], []).append(i)
-        split.extend(by_group.values())
-        groups.extend(by_group)
+        for group, grouped in by_group.items():
+            sizes = [slots[i].numel for i in grouped]
+            for run in split_to_fit(sizes, max_numel) if max_numel is not None else [range(len(grouped))]:
+                split.append([grouped[k] for k in run])
+                groups.append(group)
     if not shard_gradients:
         buckets = build_buckets(slots, split, True, grad_dtype, pad_to=world_size)
     else:

@@ -75,8 +75,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``overlap``: gather the updated parameters while the next forward runs (False: wait in ``step()``).
     ``exchange``: ``"auto"`` (point-to-point on gloo and the fastpar backend, collectives on NCCL), ``"p2p"`` or ``"collective"``.
     ``shard_gradients``: ZeRO-2. After a bucket's reduce-scatter this rank keeps only its shard of the reduced
-    gradient (1/N of the bucket); full-size buffers exist only for the buckets in flight (a pool of
-    ``fastpar.zero.gradient_pool.POOL_CAPACITY`` (3) buffers per dtype, each the size of the largest bucket).
+    gradient (1/N of the bucket); full-size buffers exist only for the buckets in flight: a pool of
+    ``fastpar.zero.gradient_pool.POOL_CAPACITY`` (3) buffers per dtype whose total stays within
+    ``min(2 x the bucket cap, half of G (N - 1) / N)`` (the buckets are split to fit them; a parameter larger than
+    a buffer is reduced from its own gradient's memory), whatever the order gradients arrive in.
     What ``p.grad`` holds:
 
     - after a synchronised backward: None for every parameter in a bucket, at both stages -- the reduced gradient

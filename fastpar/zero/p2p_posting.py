@@ -84,6 +84,7 @@ class PostingThread:
                 works.error = exc
             finally:
                 works.posted.set()
+            item = works = ops = None  # hold no buffer while waiting for the next batch (ZeRO-2 frees them early)
 
 
 def post_inline(ops: Sequence[Op]) -> WorkSet:

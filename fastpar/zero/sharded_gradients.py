@@ -31,7 +31,7 @@ import torch
 from ..ddp.errors import StuckBucketDiagnoser, pg_timeout_seconds
 from ..ddp.waiting import BucketWaiter
 from .collectives import ZeroCollective
-from .gradient_pool import BufferPool
+from .gradient_pool import BufferPool, staging_numel
 from .layout import ShardedBucket, build_sharded_buckets
 
 __all__ = ["ShardedGradientCollective"]
@@ -56,12 +56,18 @@ class ShardedGradientCollective(ZeroCollective):
     # ---- the reducer's interface (BucketCollective) --------------------------------------------
     def build_buckets(self, layout: Sequence[Sequence[int]]) -> list:
         reducer = self.reducer
-        self.sharded = build_sharded_buckets(
-            reducer.slots, layout, self.group_of_slot, reducer.grad_dtype, self.rank, self.world_size, True
+        with_scratch = self.exchange == "p2p"
+        itemsize = torch.empty((), dtype=reducer.grad_dtype or reducer.slots[0].param.dtype).element_size()
+        limit = staging_numel(
+            sum(slot.numel for slot in reducer.slots), itemsize, self.world_size, max(reducer.caps), with_scratch
         )
-        self.pool = BufferPool(self.sharded, self.world_size, with_scratch=self.exchange == "p2p")
+        self.sharded = build_sharded_buckets(
+            reducer.slots, layout, self.group_of_slot, reducer.grad_dtype, self.rank, self.world_size, True, limit
+        )
+        self.pool = BufferPool(self.sharded, self.world_size, with_scratch, limit=limit)
         for zb in self.sharded:
             zb.bucket.lend = self._lend_to_bucket
+            zb.bucket.early = self._may_lend_early
         return [zb.bucket for zb in self.sharded]
 
     def start(self, bucket) -> object:
@@ -71,7 +77,7 @@ class ShardedGradientCollective(ZeroCollective):
             slot.param.grad = None  # staged: the bucket's buffer holds it now
             slot.grad_view = None
         bucket.grad_flat = None  # the temporary buffer of an accumulating backward, now staged
-        work = self._works[zb.index] = _WaitOnce(self._reduce_scatter(zb))
+        work = self._works[zb.index] = _WaitOnce(self._reduce_scatter(zb), self.reducer.device.type == "cpu")
         self.in_flight.append(zb)
         return work
 
@@ -113,8 +119,30 @@ class ShardedGradientCollective(ZeroCollective):
     def _lend_to_bucket(self, bucket) -> None:
         self._lend(self.sharded[bucket.index])
 
+    def _may_lend_early(self, bucket) -> bool:
+        """A gradient of ``bucket`` arrived before the bucket launches: stage it now only while a pooled buffer
+        stays for the next bucket to launch (so arrival order never grows the pool); a bucket larger than the
+        pool's buffers is staged at its launch, from its own gradient."""
+        zb = self.sharded[bucket.index]
+        if not self.pool.fits(zb):
+            return False
+        following = self.reducer.next_bucket
+        ahead = sum(
+            1
+            for other in self.sharded
+            if other.buffer is not None
+            and other.comm_dtype == zb.comm_dtype
+            and other not in self.in_flight
+            and other.index != following
+            and self.pool.fits(other)
+        )
+        return zb.index == following or self.pool.can_lend_early(zb.comm_dtype, ahead)
+
     def _lend(self, zb: ShardedBucket) -> None:
         if zb.buffer is not None:
+            return
+        if not self.pool.fits(zb):
+            self._lend_own(zb)
             return
         buffer = self.pool.take(zb.comm_dtype)
         while buffer is None and self.in_flight:
@@ -129,6 +157,26 @@ class ShardedGradientCollective(ZeroCollective):
             slot.comm_view = slot.layout_view(comm)
         if buffer.scratch is not None:
             zb.scratch = buffer.scratch.narrow(0, 0, (self.world_size - 1) * zb.shard_numel)
+
+    def _lend_own(self, zb: ShardedBucket) -> None:
+        """A bucket larger than the pool's buffers (one large parameter): reduced in its gradient's own memory when
+        that is exactly the bucket (the staging's scaling is then in place), else in a buffer made for it. One such
+        bucket in flight at a time: the one before it is completed first, so large parameters never add up."""
+        while any(not self.pool.fits(other) for other in self.in_flight):
+            self._complete(self.in_flight[0])
+        own = None
+        if len(zb.slots) == 1 and zb.bucket.grad_flat is None:
+            slot = zb.slots[0]
+            grad = slot.param.grad
+            if grad is not None and grad.dtype == zb.comm_dtype and slot.numel == zb.bucket.numel:
+                flat = slot.grad_in_storage_order(grad)
+                own = flat if flat is not None and flat.is_contiguous() else None
+        zb.buffer = buffer = self.pool.take_for(zb, own)
+        zb.bucket.comm_flat = buffer.comm
+        for slot in zb.slots:
+            slot.comm_view = slot.layout_view(buffer.comm)
+        if buffer.scratch is not None:
+            zb.scratch = buffer.scratch
 
     @torch.no_grad()
     def _complete(self, zb: ShardedBucket) -> None:
@@ -215,15 +263,20 @@ class _WaitOnce:
     its buffer, or the reducer at the end of backward. (A gloo point-to-point ``Work`` waited for a second time
     never returns.)"""
 
-    def __init__(self, work) -> None:
+    def __init__(self, work, release: bool) -> None:
         self.work = work
+        self.release = release  # drop the Work once waited for: it holds the buffer its messages were sent from
         self.done = False
 
     def wait(self, timeout=None) -> bool:
         if not self.done:
             self.work.wait() if timeout is None else self.work.wait(timeout)
             self.done = True
+            if self.release:
+                self.work = None
         return True
 
     def is_completed(self) -> bool:
+        if self.work is None:
+            return True
         return self.work.is_completed()  # not ``done``: on NCCL a wait only orders the stream, the deadline watch asks

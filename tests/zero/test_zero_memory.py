@@ -1,6 +1,7 @@
 """What a ShardedOptimizer holds per rank, measured by ``memory_report()`` from the tensors themselves: at stage 2
 the gradients after backward are this rank's 1/N shards plus the pool's full-size buffers for the buckets in flight
-(and during backward at most one more bucket of autograd's gradients, not yet launched); at stage 1 the whole
+(and during backward at most one more bucket of autograd's gradients, not yet launched, and one large parameter's
+gradient being reduced in place); at stage 1 the whole
 gradient; parameters in full and optimizer state 1/N at both stages. Spawned gloo ranks (2; 3 with --full)."""
 
 from __future__ import annotations
@@ -76,8 +77,13 @@ def test_stage_two_keeps_a_shard_of_the_gradients_and_a_pool_of_buckets_in_fligh
         assert 0 < report["gradient_pool"] <= POOL_CAPACITY * largest * (2 * world_size - 1) / world_size
         assert report["gradients"] <= model / world_size + padding + report["gradient_pool"], f"rank {rank}: {report}"
         assert report["gradients"] < one["after_backward"]["gradients"]
-        # during backward: autograd's gradients are dropped as their bucket launches -- at most one bucket pending
-        assert two["peak_in_backward"] <= model / world_size + padding + report["gradient_pool"] + largest
+        # during backward: autograd's gradients are dropped as their bucket launches -- at most one of torch's buckets
+        # pending (a cap's worth and the parameter that closed it) -- and one parameter larger than the pool's
+        # buffers is in flight at a time, reduced in its own gradient with its point-to-point scratch
+        param = WIDTH * WIDTH * 4
+        pending = BUCKET_MB * 2**20 + param
+        own = param * (2 * world_size - 1) / world_size
+        assert two["peak_in_backward"] <= model / world_size + padding + report["gradient_pool"] + own + pending
         assert two["comm_flat_devices"] == {"meta"} and two["lent_between_steps"] == 0, f"rank {rank}: {two}"
         assert one["comm_flat_devices"] == {"cpu"}
         # stage 1 keeps the whole gradient, bucket by bucket
@@ -89,7 +95,9 @@ def test_stage_two_keeps_a_shard_of_the_gradients_and_a_pool_of_buckets_in_fligh
             # AdamW: exp_avg and exp_avg_sq of this rank's shards, and a step count per bucket
             assert 0 < measured["optimizer_state"] <= 2 * (model / world_size + padding) + 8 * len(buckets)
             assert measured["total"] == measured["parameters"] + measured["gradients"] + measured["optimizer_state"]
-        assert one["after_backward"]["optimizer_state"] == report["optimizer_state"]
+        # the same state, apart from ZeRO-2's smaller buckets (split to fit its staging): a padding element and a
+        # step count more per bucket
+        assert abs(one["after_backward"]["optimizer_state"] - report["optimizer_state"]) <= 16 * len(buckets)
 
 
 def _default_layout(rank: int, world_size: int) -> dict:
