@@ -32,7 +32,7 @@ import torch
 from ..user_errors import UserError
 from .model_probe import ProbeResult, probe
 from .model_spec import Layer, ModelSpec
-from .pipeline_split import pipeline_options, stage_internals
+from .pipeline_split import SCHEDULES, pipeline_options, stage_internals
 from .plan_result import Plan, StrategyEstimate, fmt_bytes, parse_bytes
 from .planner_comm import comm_model
 from .strategy_memory import OPTIMIZER_STATE, DtypeSizes, bucket_numels, strategy_memory
@@ -73,7 +73,7 @@ def plan(
     optimizer: str = "adamw",
     strategies: Sequence[str] = STRATEGIES,
     stages: Sequence[int] | None = None,
-    schedules: Sequence[str] = ("1f1b", "gpipe"),
+    schedules: Sequence[str] = SCHEDULES,
     microbatches: Sequence[int] | None = None,
     device: str = "cpu",
     profile: Any = None,
@@ -279,7 +279,7 @@ def _fitting(context: _Context, batch_size: int, strategies: Sequence[str]) -> S
     rows = [
         context.estimate(strategy, options, batch_size)
         for strategy in strategies
-        for options in _variants(strategy, context, batch_size, None, ("1f1b", "gpipe"), None)
+        for options in _variants(strategy, context, batch_size, None, SCHEDULES, None)
     ]
     fitting = [e for e in rows if e.fits]
     return min(fitting, key=lambda e: e.step_s) if fitting else None

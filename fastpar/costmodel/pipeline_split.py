@@ -5,22 +5,31 @@ the batch its S devices would have had under data parallelism (``batch_size * S`
 microbatches. The cut points balance the measured forward + backward time per layer (contiguous
 stages, the largest stage time minimised by dynamic programming, exact); the schedule and M are those
 with the fastest predicted step that fits, per stage count. An option's ``split`` lists the layer indices
-where stages 1.. begin (as ``fastpar.shard.pipeline_model(split=...)`` takes them).
+where stages 1.. begin (as ``fastpar.shard.pipeline_model(split=...)`` takes them); interleaved 1F1B cuts
+``stages x virtual_stages`` stages, rank ``r`` holding stages ``r, r + stages, ...`` (torch's loop placement).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from itertools import pairwise
 from typing import Any
 
-__all__ = ["balanced_split", "pipeline_options", "stage_internals"]
+__all__ = ["SCHEDULES", "balanced_split", "in_flight", "pipeline_options", "stage_internals"]
 
-SCHEDULES = ("1f1b", "gpipe")
+# torch.distributed.pipelining's schedules fastpar runs (the runtime, the Trainer's options and the planner)
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+INTERLEAVED_VIRTUAL_STAGES = 2  # the stages per rank the planner prices for interleaved 1F1B
 
 
-def balanced_split(costs: Sequence[float], stages: int) -> list[int]:
-    """The first layer index of each of ``stages`` contiguous stages minimising the largest stage's cost."""
+def balanced_split(
+    costs: Sequence[float], stages: int, fits: Callable[[int, int, int], bool] | None = None
+) -> list[int] | None:
+    """The first layer index of each of ``stages`` contiguous stages minimising the largest stage's cost, among the
+    splits whose every stage ``k`` running layers ``lo:hi`` has ``fits(k, lo, hi)`` (None: any); None when no split
+    fits. Ties keep the earliest cut, so equal costs give the same split on every rank and every run. The one split
+    rule: the planner's and the runtime's (``fastpar.shard.pipeline_split.choose_split``)."""
     n = len(costs)
     if not 1 <= stages <= n:
         raise ValueError(f"cannot cut {n} layers into {stages} stages; choose 1..{n} stages")
@@ -35,9 +44,13 @@ def balanced_split(costs: Sequence[float], stages: int) -> list[int]:
     for s in range(1, stages + 1):
         for j in range(s, n + 1):
             for i in range(s - 1, j):
+                if best[s - 1][i] == inf or (fits is not None and not fits(s - 1, i, j)):
+                    continue
                 value = max(best[s - 1][i], prefix[j] - prefix[i])
                 if value < best[s][j]:
                     best[s][j], cut[s][j] = value, i
+    if best[stages][n] == inf:
+        return None
     starts, j = [], n
     for s in range(stages, 0, -1):
         j = cut[s][j]
@@ -45,10 +58,26 @@ def balanced_split(costs: Sequence[float], stages: int) -> list[int]:
     return starts[::-1]
 
 
+def in_flight(schedule: str, stage: int, stages: int, virtual_stages: int, microbatches: int) -> float:
+    """Microbatches whose activations stage ``stage`` (of ``stages * virtual_stages``; rank ``stage % stages``)
+    holds at once: all of them under GPipe; ``min(microbatches, stages - rank)`` under 1F1B; under interleaved
+    1F1B the rank's warm-up forwards (torch's formula) shared among its ``virtual_stages`` stages."""
+    rank = stage % stages
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, stages - rank)
+    rounds = max(1, microbatches // stages)
+    warmup = min(
+        (virtual_stages - 1) * (microbatches // rounds) + 2 * (stages - 1 - rank), microbatches * virtual_stages
+    )
+    return min(microbatches, math.ceil((warmup + 1) / virtual_stages))
+
+
 def stage_internals(context: Any, options: dict, batch_size: int) -> dict:
     """What the memory and time models need for one pipeline option at ``batch_size`` per device."""
     stages, m = options["stages"], options["microbatches"]
-    starts = [0, *options["split"], len(context.layers)]  # split: where stages 1.. begin
+    starts = [0, *options["split"], len(context.layers)]  # split: where stages 1.. begin (stages x virtual stages)
     members = [list(range(a, b)) for a, b in pairwise(starts)]
     micro = batch_size * stages / m
     acts = context.activations(micro)
@@ -87,19 +116,24 @@ def pipeline_options(
     chosen = []
     sizes = [float(layer.numel) for layer in layers]
     for s in candidates:
-        # the fastest cut, and the cut that balances parameters: when the fastest does not fit, the other may
-        splits = {tuple(balanced_split(costs, s)), tuple(balanced_split(sizes, s))}
         global_batch = batch_size * s
         counts = microbatches or [s * k for k in (1, 2, 4, 8)]
         counts = [m for m in counts if 1 <= m <= global_batch and global_batch % m == 0]
-        rows = [
-            context.estimate(
-                "pipeline", {"stages": s, "schedule": sched, "microbatches": m, "split": list(split[1:])}, batch_size
-            )
-            for split in sorted(splits)
-            for sched in schedules
-            for m in counts
-        ]
+        rows = []
+        for sched in schedules:
+            virtual = INTERLEAVED_VIRTUAL_STAGES if sched == "interleaved-1f1b" else 1
+            if s * virtual > len(layers):
+                continue
+            # the fastest cut, and the cut that balances parameters: when the fastest does not fit, the other may
+            splits = {tuple(balanced_split(costs, s * virtual)), tuple(balanced_split(sizes, s * virtual))}
+            for split in sorted(splits):
+                for m in counts:
+                    if sched == "interleaved-1f1b" and m % max(1, m // s):
+                        continue  # interleaved 1F1B runs whole rounds of s microbatches
+                    opts = {"stages": s, "schedule": sched, "microbatches": m, "split": list(split[1:])}
+                    if virtual > 1:
+                        opts["virtual_stages"] = virtual
+                    rows.append(context.estimate("pipeline", opts, batch_size))
         if not rows:
             continue
         fitting = [r for r in rows if r.fits]

@@ -17,6 +17,7 @@ import json
 import sys
 
 from ..user_errors import UserError
+from .pipeline_split import SCHEDULES
 
 _TRANSFORMER_KEYS = ("layers", "hidden", "vocab", "heads", "seq_len", "ffn_mult")
 
@@ -49,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sample (sequence models)")
     p.add_argument("--strategies", default=None, help="comma-separated subset of ddp,zero1,zero2,fsdp,pipeline")
     p.add_argument("--stages", default=None, help="pipeline stage counts to consider, e.g. 2,4")
-    p.add_argument("--schedules", default="1f1b,gpipe", help="pipeline schedules to consider")
+    p.add_argument(
+        "--schedules", default=",".join(SCHEDULES), help="pipeline schedules to consider (default: %(default)s)"
+    )
     p.add_argument("--microbatches", default=None, help="pipeline microbatch counts to consider, e.g. 4,8")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="what the ranks train on")
     p.add_argument("--device-flops", type=float, default=None, help="FLOP/s per device (compute as a FLOP count)")

@@ -50,6 +50,8 @@ class StrategyEstimate:
             return "fsdp " + ("reshard" if self.options.get("reshard_after_forward", True) else "keep")
         if self.strategy == "pipeline":
             o = self.options
+            if o.get("virtual_stages", 1) > 1:  # interleaved: S ranks x V stages each
+                return f"pipeline {o['stages']}x{o['virtual_stages']} il m{o['microbatches']}"
             return f"pipeline {o['stages']}x{o['schedule']} m{o['microbatches']}"
         return self.strategy
 

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .model_spec import Layer
+from .pipeline_split import in_flight
 from .zero_staging import POOL_CAPACITY, staging_numel
 
 __all__ = ["OPTIMIZER_STATE", "DtypeSizes", "MemoryBreakdown", "strategy_memory"]
@@ -187,25 +188,30 @@ def strategy_memory(
         buffers = gathered * pb + unsharded_grads * max(pb, rb)
         return MemoryBreakdown(shard * pb, shard * pb, state, activations, buffers)
     if strategy == "pipeline":
-        stages = options["stage_layers"]
-        per_stage = []
-        for s, members in enumerate(stages):
+        stages = options["stage_layers"]  # stages x virtual stages of them; rank r holds r, r + S, ...
+        ranks = options.get("stages", len(stages))
+        virtual = options.get("virtual_stages", 1)
+        m = options["microbatches"]
+        per_rank = []
+        for r in range(ranks):
+            mine = list(range(r, len(stages), ranks))
+            members = [i for k in mine for i in stages[k]]
             stage_numel = sum(layers[i].numel for i in members)
             stage_tensors = sum(len(layers[i].param_shapes) for i in members)
-            m = options["microbatches"]
-            held = min(len(stages) - s, m) if options["schedule"] == "1f1b" else m
-            acts = held * options["stage_activations"][s] + options["stage_transients"][s]
+            held = {k: in_flight(options["schedule"], k, ranks, virtual, m) for k in mine}
+            acts = sum(held[k] * options["stage_activations"][k] for k in mine)
+            acts += max(options["stage_transients"][k] for k in mine)
             # sends and receives of the boundary activation and its gradient, one per microbatch in flight
-            messages = 2 * held * options["boundary_bytes"] if len(stages) > 1 else 0
-            per_stage.append(
+            messages = 2 * sum(held.values()) * options["boundary_bytes"] if len(stages) > 1 else 0
+            per_rank.append(
                 MemoryBreakdown(
                     stage_numel * pb,
                     stage_numel * pb,
                     _state_bytes(stage_numel, stage_tensors, optimizer, sizes),
                     int(acts),
                     int(messages),
-                    notes=[f"stage {s}"],
+                    notes=[f"stage {r}" if virtual == 1 else f"rank {r} of the pipeline (stages {mine})"],
                 )
             )
-        return max(per_stage, key=lambda b: b.total)
+        return max(per_rank, key=lambda b: b.total)
     raise ValueError(f"unknown strategy {strategy!r}")

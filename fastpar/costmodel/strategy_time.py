@@ -14,6 +14,7 @@ priced by a calibrated profile or a fabric (collective_costs) and overlapped as 
   compute, the next unit's gather prefetched while this one computes; on CPU ranks the collectives and the
   compute share the cores, so they are taken one after the other.
 - ``pipeline``: M microbatches through S stages: (M + S - 1) slots of the slowest stage's forward + backward
+  (interleaved 1F1B with V stages per rank: (V M + S - 1) slots of the slowest of its S V stages)
   of one microbatch and its two point-to-point messages (the bubble is (S - 1) / (M + S - 1) of it), then
   the stage's gradients all-reduced across its dp = N / S replicas and its optimizer step.
 
@@ -209,12 +210,17 @@ def _fsdp_seconds(layers, forward, backward, n, comm, param_itemsize, reduce_ite
 
 
 def _pipeline_seconds(layers, forward, backward, n, comm, reduce_itemsize, optimizer_s_per_element, options) -> float:
-    stages = options["stage_layers"]
-    s_count, m = len(stages), options["microbatches"]
+    stages = options["stage_layers"]  # stages x virtual stages; rank r runs r, r + S, ...
+    s_count, m = options.get("stages", len(stages)), options["microbatches"]
+    virtual = len(stages) // s_count
     per_batch = options["stage_batch_scale"]  # a stage's microbatch relative to the per-rank batch timed
     slot = max(sum(forward[i] + backward[i] for i in members) * per_batch for members in stages)
-    p2p = 2 * comm("p2p", options["boundary_bytes"], 2) if s_count > 1 else 0.0
+    p2p = 2 * comm("p2p", options["boundary_bytes"], 2) if len(stages) > 1 else 0.0
     dp = n // s_count
-    stage_numel = max(sum(layers[i].numel for i in members) for members in stages)
+    stage_numel = max(
+        sum(layers[i].numel for k in range(r, len(stages), s_count) for i in stages[k]) for r in range(s_count)
+    )
     sync = comm("allreduce", stage_numel * reduce_itemsize, dp) if dp > 1 else 0.0
-    return (m + s_count - 1) * (slot + p2p) + sync + optimizer_s_per_element * stage_numel
+    # each rank runs its V stages for every microbatch; the fill and drain take S - 1 slots of one stage: the
+    # bubble is (S - 1) / (V M) of the step instead of (S - 1) / M
+    return (m * virtual + s_count - 1) * (slot + p2p) + sync + optimizer_s_per_element * stage_numel

@@ -16,13 +16,11 @@ shared among its ``V`` stages, each held to ``memory_limit_bytes / V`` (a suffic
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..costmodel.pipeline_split import SCHEDULES, balanced_split, in_flight
 from .pipeline_profile import LayerCost, PipelineConfigError
-
-SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
 
 @dataclass(frozen=True)
@@ -106,20 +104,6 @@ def check_batch(batch_size: int, microbatches: int, what: str) -> None:
         )
 
 
-def _in_flight(schedule: str, stage: int, stages: int, virtual_stages: int, microbatches: int) -> float:
-    """Microbatches whose activations stage ``stage`` holds at once (module docstring)."""
-    rank = stage % stages
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(microbatches, stages - rank)
-    rounds = max(1, microbatches // stages)
-    warmup = min(
-        (virtual_stages - 1) * (microbatches // rounds) + 2 * (stages - 1 - rank), microbatches * virtual_stages
-    )
-    return min(microbatches, math.ceil((warmup + 1) / virtual_stages))
-
-
 def _stage_bytes(costs, lo, hi, in_flight: float, optimizer_state_factor: float) -> int:
     params = sum(c.param_bytes for c in costs[lo:hi])
     activations = sum(c.activation_bytes for c in costs[lo:hi])
@@ -151,7 +135,7 @@ def choose_split(
     Raises :class:`PipelineConfigError` when no split fits ``memory_limit_bytes`` or the given points are invalid."""
     total = stages * virtual_stages
     n = len(costs)
-    flights = [_in_flight(schedule, k, stages, virtual_stages, microbatches) for k in range(total)]
+    flights = [in_flight(schedule, k, stages, virtual_stages, microbatches) for k in range(total)]
     limit = None if memory_limit_bytes is None else memory_limit_bytes / virtual_stages
     if not isinstance(split, str):
         points = [int(p) for p in split]
@@ -164,28 +148,14 @@ def choose_split(
         return _summary(costs, points, "explicit", flights, optimizer_state_factor)
     if split != "auto":
         raise PipelineConfigError(f"split must be 'auto' or a list of {total - 1} layer indices, got {split!r}")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c.seconds)
-    inf = float("inf")
-    # best[k][i]: the smallest possible slowest-stage time of layers[:i] cut into k + 1 stages that all fit;
-    # ties keep the earliest cut, so equal measurements give the same split on every run.
-    best = [[inf] * (n + 1) for _ in range(total)]
-    cut = [[-1] * (n + 1) for _ in range(total)]
-    for i in range(1, n + 1):
-        if limit is None or _stage_bytes(costs, 0, i, flights[0], optimizer_state_factor) <= limit:
-            best[0][i] = prefix[i]
-    for k in range(1, total):
-        for i in range(k + 1, n + 1):
-            for j in range(k, i):
-                if best[k - 1][j] == inf:
-                    continue
-                if limit is not None and _stage_bytes(costs, j, i, flights[k], optimizer_state_factor) > limit:
-                    continue
-                worst = max(best[k - 1][j], prefix[i] - prefix[j])
-                if worst < best[k][i]:
-                    best[k][i], cut[k][i] = worst, j
-    if best[total - 1][n] == inf:
+
+    def fits(k: int, lo: int, hi: int) -> bool:
+        return limit is None or _stage_bytes(costs, lo, hi, flights[k], optimizer_state_factor) <= limit
+
+    if not 1 <= total <= n:
+        raise PipelineConfigError(f"cannot cut {n} layers into {total} stages; use at most {n} stages in all")
+    starts = balanced_split([c.seconds for c in costs], total, fits)  # the planner's rule, with the memory check
+    if starts is None:
         smallest = max(_stage_bytes(costs, i, i + 1, flights[0], optimizer_state_factor) for i in range(n))
         raise PipelineConfigError(
             f"no split of {n} layers into {total} stages fits {memory_limit_bytes / 2**20:.1f} MiB per rank "
@@ -193,8 +163,4 @@ def choose_split(
             f"{flights[0]:g} microbatches of activations); use more stages, fewer microbatches in flight "
             f"(1F1B instead of GPipe), smaller microbatches, or more memory"
         )
-    points, i = [], n
-    for k in range(total - 1, 0, -1):
-        i = cut[k][i]
-        points.append(i)
-    return _summary(costs, points[::-1], "auto", flights, optimizer_state_factor)
+    return _summary(costs, starts[1:], "auto", flights, optimizer_state_factor)

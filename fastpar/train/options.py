@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..costmodel.pipeline_split import SCHEDULES
 from ..user_errors import OptionError
 from .loggers import LoggerError, check_loggers
 
@@ -17,7 +18,7 @@ DDP_CHOICES = ("auto", "torch", "fastpar")
 CPU_BACKENDS = ("auto", "fastpar", "gloo")
 PLOTS = (None, "none", "training-progress")
 SHARDINGS = ("ddp", "zero1", "zero2", "fsdp", "pipeline", "auto")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
+PIPELINE_SCHEDULES = SCHEDULES  # one list: the runtime's, the planner's and the options'
 FSDP_WRAPS = ("auto", "root")
 CHECKPOINT_MODES = (0o600, 0o640, 0o604, 0o644)  # the owner writes; others at most read, never write
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}

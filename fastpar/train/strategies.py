@@ -329,9 +329,13 @@ class PipelineStrategy(DcpStrategy):
             schedule = planned.get("schedule", schedule)
         if not opts.microbatches and microbatches < stages and schedule == "1f1b":
             schedule = "gpipe"  # 1F1B needs a microbatch per stage; a smaller batch still runs as GPipe
+        virtual = planned.get("virtual_stages", 1) if schedule == "interleaved-1f1b" else 1
+        if virtual > 1 and microbatches % max(1, microbatches // stages):
+            virtual = 1  # the plan's interleaving does not fit this batch's microbatches: one stage per rank
         split: Any = "auto"  # measured and balanced by pipeline_model
-        if planned.get("split") is not None and planned.get("stages") == stages:
-            split = list(planned["split"])  # where stages 1.. begin, as pipeline_model takes it
+        planned_split = planned.get("split")
+        if planned_split is not None and planned.get("stages") == stages and len(planned_split) == stages * virtual - 1:
+            split = list(planned_split)  # where stages 1.. begin, as pipeline_model takes it
         self.pipeline = pipeline_model(
             build_model(job.model).to(device),
             stages=stages,
@@ -339,6 +343,7 @@ class PipelineStrategy(DcpStrategy):
             microbatches=microbatches,
             schedule=schedule,
             split=split,
+            virtual_stages=virtual,
             example_input=example_input,  # a real batch: the split is measured on it and fixes the shapes sent
             device=device,
             memory_limit_bytes=opts.memory_budget_bytes,

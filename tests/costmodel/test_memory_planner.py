@@ -113,6 +113,54 @@ def test_one_f_one_b_holds_fewer_microbatches_than_gpipe(small_probe):
     assert one.memory.activations < gpipe.memory.activations / 2  # 2 of 8 microbatches held at the first stage
 
 
+def test_the_split_with_a_memory_check_is_the_best_of_the_splits_that_fit():
+    """One split rule for the planner and the runtime: with ``fits`` it is the best contiguous split among those whose
+    every stage fits, None when none does; the runtime's choose_split gives the same points."""
+    from fastpar.shard.pipeline_profile import LayerCost
+    from fastpar.shard.pipeline_split import choose_split
+
+    costs = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]
+    size = [5, 1, 1, 1, 1, 1, 1, 9]
+
+    def fits(_stage, lo, hi):
+        return sum(size[lo:hi]) <= 10
+
+    for stages in (2, 3, 4):
+        starts = balanced_split(costs, stages, fits)
+        cuts = [
+            cut
+            for cut in itertools.combinations(range(1, len(costs)), stages - 1)
+            if all(fits(k, a, b) for k, (a, b) in enumerate(itertools.pairwise((0, *cut, len(costs)))))
+        ]
+        worst = max(sum(costs[a:b]) for a, b in itertools.pairwise([*starts, len(costs)]))
+        assert worst == min(max(sum(costs[a:b]) for a, b in itertools.pairwise((0, *c, len(costs)))) for c in cuts)
+        layers = [LayerCost(f"l{i}", c, 0, 0, (1,), torch.float32) for i, c in enumerate(costs)]
+        runtime = choose_split(layers, stages=stages, microbatches=stages, schedule="1f1b")
+        assert list(runtime.points) == balanced_split(costs, stages)[1:]
+    assert balanced_split(costs, 2, lambda *_: False) is None
+
+
+def test_interleaved_one_f_one_b_is_priced_per_rank_over_its_stages(small_probe):
+    """The planner prices interleaved 1F1B (two stages per rank, torch's placement): each rank holds the layers of its
+    two stages, and the split has S x 2 - 1 points."""
+    spec = dict(layers=6, hidden=64, vocab=500, seq_len=32)
+    result = probe(ModelSpec.transformer(**spec), batch_size=2, seq_len=32)
+    args = dict(devices=2, device_memory="1GB", batch_size=4, seq_len=32, probe_result=result, strategies=["pipeline"])
+    inter = plan(ModelSpec.transformer(**spec), schedules=["interleaved-1f1b"], microbatches=[4], **args)
+    one = plan(ModelSpec.transformer(**spec), schedules=["1f1b"], microbatches=[4], **args)
+    e, f = inter.estimates[0], one.estimates[0]
+    assert e.options["schedule"] == "interleaved-1f1b" and e.options["virtual_stages"] == 2
+    assert len(e.options["split"]) == 3 and e.label == "pipeline 2x2 il m4"
+    numel = [layer.numel for layer in ModelSpec.transformer(**spec).layers()]
+    bounds = [0, *e.options["split"], len(numel)]
+    stage_numel = [sum(numel[a:b]) for a, b in itertools.pairwise(bounds)]
+    per_rank = [sum(n for k, n in enumerate(stage_numel) if k % 2 == r) for r in range(2)]
+    for r, bounds_r in enumerate(per_rank):
+        assert bounds_r > 0, f"rank {r} holds no layer"
+    assert e.memory.parameters == max(per_rank) * 4  # fp32, the larger rank
+    assert f.memory.parameters == max(sum(numel[: f.options["split"][0]]), sum(numel[f.options["split"][0] :])) * 4
+
+
 def test_the_choice_is_the_fastest_that_fits(small_probe):
     p = _plan(small_probe)
     assert {e.strategy for e in p.estimates} == set(STRATEGIES)
