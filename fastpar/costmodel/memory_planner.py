@@ -35,7 +35,7 @@ from .model_spec import Layer, ModelSpec
 from .pipeline_split import SCHEDULES, pipeline_options, stage_internals
 from .plan_result import Plan, StrategyEstimate, fmt_bytes, parse_bytes
 from .planner_comm import comm_model
-from .strategy_memory import OPTIMIZER_STATE, DtypeSizes, bucket_numels, strategy_memory
+from .strategy_memory import OPTIMIZER_STATE, DtypeSizes, bucket_members, strategy_memory
 from .strategy_time import optimizer_seconds_per_element, strategy_step_seconds
 
 __all__ = ["STRATEGIES", "Plan", "StrategyEstimate", "parse_bytes", "plan", "plan_for_module"]
@@ -222,7 +222,7 @@ class _Context:
     def estimate(self, strategy: str, options: dict, batch_size: int, devices: int | None = None) -> StrategyEstimate:
         n = devices or self.devices
         full = options | stage_internals(self, options, batch_size) if strategy == "pipeline" else options
-        buckets = bucket_numels(self.layers, self.caps[1], self.caps[0], self.sizes.param)
+        buckets = bucket_members(self.layers, self.caps[1], self.caps[0], self.sizes.param)
         breakdown = strategy_memory(
             strategy,
             self.layers,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from .model_spec import Layer
 from .pipeline_split import in_flight
-from .zero_staging import POOL_CAPACITY, staging_numel
+from .zero_staging import POOL_CAPACITY, split_to_fit, staging_numel
 
 __all__ = ["OPTIMIZER_STATE", "DtypeSizes", "MemoryBreakdown", "strategy_memory"]
 
@@ -77,20 +77,40 @@ def _state_bytes(numel: float, tensors: int, optimizer: str, sizes: DtypeSizes) 
     return int(numel * per_param * sizes.param + (tensors * _STEP_BYTES if has_step else 0))
 
 
+def bucket_members(layers: Sequence[Layer], cap_bytes: int, first_cap_bytes: int, itemsize: int) -> list[list[int]]:
+    """The elements of each parameter in each bucket, the parameters taken in backward order (last layer first),
+    by torch's own bucket assignment (``fastpar.ddp.buckets.assign_buckets`` calls the same function, so DDP's
+    reducer, ZeRO and the plan bucket alike), on meta tensors of the parameters' shapes: no memory."""
+    import torch
+    import torch.distributed as dist
+
+    dtype = {2: torch.bfloat16, 8: torch.float64}.get(itemsize, torch.float32)
+    shapes = [tuple(shape) for layer in reversed(layers) for shape in reversed(layer.param_shapes)]
+    numels = [_numel(shape) for shape in shapes]
+    assign = getattr(dist, "_compute_bucket_assignment_by_size", None) if dist.is_available() else None
+    if assign is None or not shapes:  # a torch without it: the same rule (a bucket closes once it reaches its cap)
+        return _capped(numels, itemsize, first_cap_bytes, cap_bytes)
+    tensors = [torch.empty(shape, dtype=dtype, device="meta") for shape in shapes]
+    indices, _ = assign(tensors, [first_cap_bytes, cap_bytes], [False] * len(tensors), list(range(len(tensors))))
+    return [[numels[i] for i in bucket] for bucket in indices]
+
+
 def bucket_numels(layers: Sequence[Layer], cap_bytes: int, first_cap_bytes: int, itemsize: int) -> list[int]:
-    """Bucket sizes (elements) of the parameters taken in backward order (last layer first), a bucket closing at
-    its cap -- the rule DDP's reducer and ZeRO follow (``size_capped_buckets``)."""
-    sizes, current, caps_used = [], 0, 0
-    for layer in reversed(layers):
-        for shape in reversed(layer.param_shapes):
-            current += _numel(shape)
-            cap = first_cap_bytes if caps_used == 0 else cap_bytes
-            if current * itemsize >= cap:
-                sizes.append(current)
-                current, caps_used = 0, caps_used + 1
+    """Bucket sizes (elements): :func:`bucket_members` summed."""
+    return [sum(members) for members in bucket_members(layers, cap_bytes, first_cap_bytes, itemsize)]
+
+
+def _capped(numels: Sequence[int], itemsize: int, first_cap_bytes: int, cap_bytes: int) -> list[list[int]]:
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    for numel in numels:
+        current.append(numel)
+        if sum(current) * itemsize >= (first_cap_bytes if not buckets else cap_bytes):
+            buckets.append(current)
+            current = []
     if current:
-        sizes.append(current)
-    return sizes
+        buckets.append(current)
+    return buckets
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -129,7 +149,8 @@ def strategy_memory(
     """Bytes per device of ``strategy``; activations are the saved tensors per layer plus the ``transient``
     bytes of backward's start (``options``: ``reshard_after_forward`` for fsdp; ``stages``,
     ``schedule``, ``microbatches``, ``stage_layers`` (layer indices per stage), ``stage_activations`` (bytes per
-    stage for one microbatch), ``stage_transients``, ``boundary_bytes`` for pipeline); ``buckets``: bucket sizes in elements;
+    stage for one microbatch), ``stage_transients``, ``boundary_bytes`` for pipeline); ``buckets``: each bucket's parameters' elements
+    (:func:`bucket_members`);
     ``cap_bytes``: the bucket cap (ZeRO-2's staging is bounded by twice it; default: the largest bucket)."""
     n = devices
     numel = sum(layer.numel for layer in layers)
@@ -141,7 +162,11 @@ def strategy_memory(
         state = _state_bytes(numel, tensors, optimizer, sizes)
         return MemoryBreakdown(numel * pb, numel * pb, state, activations, narrow, persistent_buffers=narrow)
     if strategy in ("zero1", "zero2"):
-        padded = [-(-b // n) * n for b in buckets]
+        if strategy == "zero2":  # the runtime's rule (fastpar.zero.gradient_pool): buckets split to fit its buffers
+            cap = cap_bytes if cap_bytes is not None else max((sum(b) for b in buckets), default=0) * rb
+            limit = staging_numel(numel, rb, n, cap, cpu_exchange)
+            buckets = [[members[k] for k in run] for members in buckets for run in split_to_fit(members, limit)]
+        padded = [-(-sum(b) // n) * n for b in buckets]
         total_padded = sum(padded)
         state = _state_bytes(total_padded / n, len(padded), optimizer, sizes)
         scratch = int(sum(padded) * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
@@ -155,23 +180,37 @@ def strategy_memory(
                 scratch + narrow,
                 persistent_buffers=narrow,
             )
-        # the runtime's rule (fastpar.zero.gradient_pool): buckets split to fit buffers of ``limit`` elements, a
-        # parameter larger than that reduced from its own gradient with a scratch made for it while in flight
-        cap = cap_bytes if cap_bytes is not None else max(padded, default=0) * rb
-        limit = staging_numel(numel, rb, n, cap, cpu_exchange)
-        largest_param = max((_numel(shape) for layer in layers for shape in layer.param_shapes), default=0)
-        buffer = min(max(padded, default=0), limit)
-        lent = min(ZERO2_POOL_BUFFERS, len(padded))  # allocated on first use: never more than there are buckets
+        # pooled buffers of the largest bucket that fits; a larger one (one parameter) is reduced in its gradient's
+        # memory, two at a time: on CPU ranks with a scratch of (N-1)/N of it and, padded, a padded copy of the last
+        # rank's region (1/N); with torch's reduce-scatter a padded one in a copy of it
+        pooled = [p for p in padded if p <= limit]
+        buffer = max(pooled, default=0)
+        lent = min(ZERO2_POOL_BUFFERS, len(pooled))  # allocated on first use: never more than there are buckets
         pool = lent * buffer * rb
         scratch = int(lent * buffer * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
-        own_scratch = int(largest_param * (n - 1) / n * rb) if cpu_exchange and n > 1 and largest_param > limit else 0
+        own_extra = 0
+        own = [p for p in padded if p > limit]
+        for p, real in ((p, sum(b)) for p, b in zip(padded, buckets, strict=True) if p > limit):
+            if rb != pb:  # reduced in another dtype: staged into a buffer of its own
+                extra = p + (p * (n - 1) / n if cpu_exchange and n > 1 else 0)
+            elif cpu_exchange and n > 1:
+                extra = p * (n - 1) / n + (p / n if p != real else 0)
+            else:
+                extra = p if p != real else 0
+            own_extra = max(own_extra, int(extra * rb))
+        largest_param = max((_numel(shape) for layer in layers for shape in layer.param_shapes), default=0)
         unlaunched = max(buffer, largest_param) * pb  # autograd's .grad not yet staged, dropped at its launch
+        # the runtime's OWN_IN_FLIGHT (2): a second large parameter in flight holds its gradient and extras too
+        own_extra *= min(2, len(own))
+        if len(own) > 1:
+            own_extra += max(own) * pb
+        transit = pool + scratch + unlaunched + own_extra
         return MemoryBreakdown(
             total_padded * pb,
             total_padded // n * pb,
             state,
             activations,
-            pool + scratch + unlaunched + own_scratch,
+            transit,
             persistent_buffers=pool + scratch,
         )
     if strategy == "fsdp":

@@ -193,8 +193,9 @@ class ZeroCollective:
             ops.append((dist.isend, (send,), {"group": self.group, "group_dst": q, "tag": tag}))
         return self._poster.submit(ops) if self._poster is not None else post_inline(ops)
 
-    def _sum_received(self, zb: ShardedBucket, comm: torch.Tensor) -> None:
-        """The point-to-point exchange's additions (its messages have arrived); nothing for torch's reduce-scatter."""
+    def _sum_received(self, zb: ShardedBucket, comm: torch.Tensor, offset: int = 0) -> None:
+        """The point-to-point exchange's additions (its messages have arrived); nothing for torch's reduce-scatter.
+        ``comm`` holds the bucket's elements from ``offset`` on (this rank's shard at least)."""
         if self.exchange != "p2p":
             return
         for run in zb.sum_ranges:
@@ -203,7 +204,7 @@ class ZeroCollective:
             def received(k: int, first=run.start - zb.start, n=n) -> torch.Tensor:
                 return self._received(zb, k).narrow(0, first, n)
 
-            reduce_in_ring_order(comm.narrow(0, run.start, n), received, run.chain, self.rank)
+            reduce_in_ring_order(comm.narrow(0, run.start - offset, n), received, run.chain, self.rank)
 
     def _received(self, zb: ShardedBucket, q: int) -> torch.Tensor:
         slot = q if q < self.rank else q - 1

@@ -87,12 +87,12 @@ class BufferPool:
 
     def take_for(self, zb: ShardedBucket, own: torch.Tensor | None = None) -> PooledBuffer:
         """A buffer for a bucket larger than the pool's: ``own`` (its gradient's memory, already its storage
-        order) or a new one; with a scratch of its size. Freed by :meth:`give_back`."""
+        order) or a new one. Its scratch is made at its launch, once autograd's gradient is dropped (the
+        exchange's ``_reduce_scatter``), so the gradient, a copy of it and the scratch never coexist. Freed by
+        :meth:`give_back`."""
         numel = zb.bucket.numel
-        scratch = self._scratch(numel)
         buffer = PooledBuffer(
-            own if own is not None else torch.empty(numel, dtype=zb.comm_dtype, device=self.device),
-            torch.empty(scratch, dtype=zb.comm_dtype, device=self.device) if scratch else None,
+            own if own is not None else torch.empty(numel, dtype=zb.comm_dtype, device=self.device), None
         )
         self.own.append(buffer)
         return buffer

@@ -53,6 +53,8 @@ class ShardedBucket:
         self.buffer = None  # stage 2: the pool's buffer this bucket holds while in flight
         self.sum_ranges: list[SumRange] = []
         self.scratch: torch.Tensor | None = None  # the peers' contributions (point-to-point exchange)
+        # stage 2, a padded large parameter reduced in its gradient's memory: the last rank's region, padded
+        self.tail: torch.Tensor | None = None
         self.gather = None  # the in-flight all-gather of updated shards
         self.unused: list[int] = []  # slot indices without a gradient since zero_grad (clipping skips them)
         # per slot index, the shared optimizer state (``step``) once its parameters' histories differ (partial_step.py)

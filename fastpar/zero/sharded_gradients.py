@@ -36,6 +36,8 @@ from .layout import ShardedBucket, build_sharded_buckets
 
 __all__ = ["ShardedGradientCollective"]
 
+OWN_IN_FLIGHT = 2  # large parameters reduced at once: one on the wire while the next is staged
+
 
 class ShardedGradientCollective(ZeroCollective):
     """ZeRO-2's :class:`~fastpar.ddp.bucket_collective.BucketCollective`: reduce-scatter from pooled buffers into
@@ -160,23 +162,44 @@ class ShardedGradientCollective(ZeroCollective):
 
     def _lend_own(self, zb: ShardedBucket) -> None:
         """A bucket larger than the pool's buffers (one large parameter): reduced in its gradient's own memory when
-        that is exactly the bucket (the staging's scaling is then in place), else in a buffer made for it. One such
-        bucket in flight at a time: the one before it is completed first, so large parameters never add up."""
-        while any(not self.pool.fits(other) for other in self.in_flight):
+        that is exactly the bucket (the staging's scaling is then in place), else in a buffer made for it. At most
+        ``OWN_IN_FLIGHT`` such buckets in flight: the oldest is completed first, so large parameters never add up."""
+        while sum(not self.pool.fits(other) for other in self.in_flight) >= OWN_IN_FLIGHT:
             self._complete(self.in_flight[0])
         own = None
         if len(zb.slots) == 1 and zb.bucket.grad_flat is None:
             slot = zb.slots[0]
             grad = slot.param.grad
-            if grad is not None and grad.dtype == zb.comm_dtype and slot.numel == zb.bucket.numel:
+            # padded (the last rank's region runs past the parameter): the point-to-point exchange sends and sums
+            # that region from a padded copy of it, 1/N of the parameter (``_reduce_scatter``)
+            whole = slot.numel == zb.bucket.numel or self.exchange == "p2p"
+            if grad is not None and grad.dtype == zb.comm_dtype and whole:
                 flat = slot.grad_in_storage_order(grad)
                 own = flat if flat is not None and flat.is_contiguous() else None
         zb.buffer = buffer = self.pool.take_for(zb, own)
         zb.bucket.comm_flat = buffer.comm
         for slot in zb.slots:
             slot.comm_view = slot.layout_view(buffer.comm)
-        if buffer.scratch is not None:
-            zb.scratch = buffer.scratch
+
+    @torch.no_grad()
+    def _reduce_scatter(self, zb: ShardedBucket) -> object:
+        comm = zb.bucket.acquire_comm_flat()
+        if comm.numel() == zb.bucket.numel:
+            return super()._reduce_scatter(zb)
+        # a padded large parameter in its own gradient's memory (``_lend_own``): the last region, padded with zeros
+        start = (self.world_size - 1) * zb.shard_numel
+        zb.tail = torch.zeros(zb.shard_numel, dtype=comm.dtype, device=comm.device)
+        zb.tail.narrow(0, 0, comm.numel() - start).copy_(comm.narrow(0, start, comm.numel() - start))
+        if zb.scratch is None:
+            zb.scratch = torch.empty((self.world_size - 1) * zb.shard_numel, dtype=comm.dtype, device=comm.device)
+        tag = self.tag_base + 2 * zb.bucket.index
+        return self._post([(self._received(zb, q), self._region(zb, comm, q), q) for q in self.peers], tag)
+
+    def _region(self, zb: ShardedBucket, comm: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s region of ``zb``'s staged gradients (its padded copy for the last rank, see above)."""
+        if zb.tail is not None and rank == self.world_size - 1:
+            return zb.tail
+        return zb.region(comm, rank)
 
     @torch.no_grad()
     def _complete(self, zb: ShardedBucket) -> None:
@@ -185,8 +208,11 @@ class ShardedGradientCollective(ZeroCollective):
         if work is not None:
             self._early_waiter.wait(self.reducer.step + 1, zb.index, zb.bucket.names, work)
             comm = zb.bucket.comm_flat
-            self._sum_received(zb, comm)
-            zb.grad_shard.copy_(zb.region(comm, self.rank))  # widens a bf16 exchange exactly
+            if zb.tail is not None and self.rank == self.world_size - 1:
+                self._sum_received(zb, zb.tail, offset=zb.start)
+            else:
+                self._sum_received(zb, comm)
+            zb.grad_shard.copy_(self._region(zb, comm, self.rank))  # widens a bf16 exchange exactly
         if zb in self.in_flight:
             self.in_flight.remove(zb)
         self._give_back(zb)
@@ -196,7 +222,7 @@ class ShardedGradientCollective(ZeroCollective):
         if buffer is not None:
             self.pool.give_back(zb.comm_dtype, buffer)
         zb.bucket.comm_flat = zb.bucket.placeholder
-        zb.scratch = None
+        zb.scratch = zb.tail = None
         for slot in zb.slots:
             slot.comm_view = None
 
@@ -255,6 +281,9 @@ class ShardedGradientCollective(ZeroCollective):
             yield zb.grad_shard
             if zb.bucket.grad_flat is not None:
                 yield zb.bucket.grad_flat
+            for extra in (zb.scratch, zb.tail):  # a large parameter's, in flight (the pool's are views of its buffers)
+                if extra is not None:
+                    yield extra
         yield from self.pool.tensors()
 
 

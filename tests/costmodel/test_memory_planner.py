@@ -62,7 +62,9 @@ def test_sharding_divides_what_it_shards(small_probe):
     fsdp = next(e for e in p.estimates if e.options == {"reshard_after_forward": True}).memory
     assert zero1.parameters >= ddp.parameters and zero1.gradients == zero1.parameters  # padded buckets, whole
     assert zero1.optimizer_state == pytest.approx(ddp.optimizer_state / 4, rel=0.01)
-    assert zero2.gradients == zero2.parameters // 4 and zero2.optimizer_state == zero1.optimizer_state
+    assert zero2.gradients == zero2.parameters // 4
+    # the same state, plus a step count (and a padding element) per bucket ZeRO-2 splits off to fit its staging
+    assert zero1.optimizer_state <= zero2.optimizer_state <= zero1.optimizer_state * 1.001
     # fully_shard pads each parameter's dim 0 to a multiple of the world size: vocab 500 rows -> 125 per rank
     assert fsdp.parameters >= ddp.parameters / 4 and fsdp.parameters < ddp.parameters / 4 * 1.05
     assert ddp.activations == zero1.activations == fsdp.activations

@@ -78,11 +78,14 @@ def test_stage_two_keeps_a_shard_of_the_gradients_and_a_pool_of_buckets_in_fligh
         assert report["gradients"] <= model / world_size + padding + report["gradient_pool"], f"rank {rank}: {report}"
         assert report["gradients"] < one["after_backward"]["gradients"]
         # during backward: autograd's gradients are dropped as their bucket launches -- at most one of torch's buckets
-        # pending (a cap's worth and the parameter that closed it) -- and one parameter larger than the pool's
-        # buffers is in flight at a time, reduced in its own gradient with its point-to-point scratch
+        # pending (a cap's worth and the parameter that closed it) -- and at most OWN_IN_FLIGHT parameters larger
+        # than the pool's buffers are in flight, each reduced in its own gradient with its point-to-point scratch
+        # ((N - 1) / N of it) and, when padded to a multiple of N, a padded copy of the last rank's region (1 / N)
+        from fastpar.zero.sharded_gradients import OWN_IN_FLIGHT
+
         param = WIDTH * WIDTH * 4
         pending = BUCKET_MB * 2**20 + param
-        own = param * (2 * world_size - 1) / world_size
+        own = OWN_IN_FLIGHT * 2 * param
         assert two["peak_in_backward"] <= model / world_size + padding + report["gradient_pool"] + own + pending
         assert two["comm_flat_devices"] == {"meta"} and two["lent_between_steps"] == 0, f"rank {rank}: {two}"
         assert one["comm_flat_devices"] == {"cpu"}
