@@ -36,7 +36,9 @@ def test_zero_benchmark_reports_state_per_rank_and_goals(tmp_path, capsys):
     # 4 x Linear(64, 64): 16,640 parameters, AdamW's two fp32 moments + a step per tensor
     assert unsharded[0] == 16_640 * 8 + 8 * 4
     assert all(s < unsharded[0] / 2 + 1024 for s in sharded)  # half, plus padding and one step per bucket
-    assert state["zero2_fastpar"] == sharded  # ZeRO-2 shards the same optimizer state
+    # ZeRO-2 shards the same optimizer state, in smaller buckets (split to fit its staging): a step count and a
+    # padding element more per extra bucket
+    assert all(0 <= two - one <= 256 for two, one in zip(state["zero2_fastpar"], sharded, strict=True))
     grads = data["summary"]["grad_bytes_per_rank"]["tiny"]
     pool = data["summary"]["zero2_pool_bytes_per_rank"]["tiny"]
     assert grads["ddp_fastpar"] == [16_640 * 4] * 2  # every .grad, in its bucket
