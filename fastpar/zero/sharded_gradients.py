@@ -50,6 +50,8 @@ class ShardedGradientCollective(ZeroCollective):
         self.pool: BufferPool | None = None
         self.in_flight: deque[ShardedBucket] = deque()  # launched, shard not yet copied out; in launch order
         self._works: dict[int, object] = {}  # bucket index -> the exchange's handle
+        # dtype -> indices of buckets holding a pooled buffer, not yet launched (kept by _lend, start, _give_back)
+        self._filling: dict[torch.dtype, set[int]] = {}
         timeout = pg_timeout_seconds(self.group, self.reducer.device)
         early = StuckBucketDiagnoser(self.group, self.diagnosis_key, self.operation)
         self._early_waiter = BucketWaiter(self.reducer.device, timeout, early.diagnose)
@@ -79,6 +81,7 @@ class ShardedGradientCollective(ZeroCollective):
             slot.param.grad = None  # staged: the bucket's buffer holds it now
             slot.grad_view = None
         bucket.grad_flat = None  # the temporary buffer of an accumulating backward, now staged
+        self._filling.get(zb.comm_dtype, set()).discard(zb.index)
         work = self._works[zb.index] = _WaitOnce(self._reduce_scatter(zb), self.reducer.device.type == "cpu")
         self.in_flight.append(zb)
         return work
@@ -129,15 +132,8 @@ class ShardedGradientCollective(ZeroCollective):
         if not self.pool.fits(zb):
             return False
         following = self.reducer.next_bucket
-        ahead = sum(
-            1
-            for other in self.sharded
-            if other.buffer is not None
-            and other.comm_dtype == zb.comm_dtype
-            and other not in self.in_flight
-            and other.index != following
-            and self.pool.fits(other)
-        )
+        filling = self._filling.get(zb.comm_dtype, ())
+        ahead = len(filling) - (following in filling)
         return zb.index == following or self.pool.can_lend_early(zb.comm_dtype, ahead)
 
     def _lend(self, zb: ShardedBucket) -> None:
@@ -153,6 +149,7 @@ class ShardedGradientCollective(ZeroCollective):
         if buffer is None:  # every buffer of this dtype is lent to a bucket still being filled
             buffer = self.pool.take(zb.comm_dtype, grow=True)
         zb.buffer = buffer
+        self._filling.setdefault(zb.comm_dtype, set()).add(zb.index)
         comm = buffer.comm.narrow(0, 0, zb.bucket.numel)
         zb.bucket.comm_flat = comm
         for slot in zb.slots:
@@ -219,6 +216,7 @@ class ShardedGradientCollective(ZeroCollective):
 
     def _give_back(self, zb: ShardedBucket) -> None:
         buffer, zb.buffer = zb.buffer, None
+        self._filling.get(zb.comm_dtype, set()).discard(zb.index)
         if buffer is not None:
             self.pool.give_back(zb.comm_dtype, buffer)
         zb.bucket.comm_flat = zb.bucket.placeholder
