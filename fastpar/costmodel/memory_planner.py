@@ -133,6 +133,8 @@ def plan(
     total_bytes = sum(layer.numel for layer in layers) * sizes.param
     caps = (_MB, 25 * _MB) if on_gpu or devices > 2 else (_MB, max(4 * _MB, -(-total_bytes // 64)))
     context = _Context(layers, measured, sizes, devices, optimizer, comm, costs, opt_s, caps, on_gpu, seq_len, usable)
+    if "fsdp" in strategies:
+        context.units = spec.fsdp_units()
     estimates: list[StrategyEstimate] = []
     for strategy in strategies:
         for options in _variants(strategy, context, batch_size, stages, schedules, microbatches):
@@ -207,6 +209,7 @@ class _Context:
     on_gpu: bool
     seq_len: int | None
     usable: int
+    units: tuple[int, list[int]] | None = None  # FSDP2's root and units under wrap="auto" (fsdp_units.py)
 
     def activations(self, batch: float) -> list[float]:
         return [b * self.sizes.activation_scale for b in self.measured.activation_bytes(batch, self.seq_len)]
@@ -222,6 +225,8 @@ class _Context:
     def estimate(self, strategy: str, options: dict, batch_size: int, devices: int | None = None) -> StrategyEstimate:
         n = devices or self.devices
         full = options | stage_internals(self, options, batch_size) if strategy == "pipeline" else options
+        if strategy == "fsdp" and self.units is not None:
+            full = full | {"units": self.units}
         buckets = bucket_members(self.layers, self.caps[1], self.caps[0], self.sizes.param)
         breakdown = strategy_memory(
             strategy,
@@ -235,6 +240,7 @@ class _Context:
             cpu_exchange=not self.on_gpu,
             options=full,
             cap_bytes=self.caps[1],
+            outputs=[o * self.sizes.activation_scale for o in self.measured.output_bytes(batch_size, self.seq_len)],
         )
         forward, backward = self.measured.seconds(batch_size, self.seq_len)
         step = strategy_step_seconds(

@@ -92,6 +92,7 @@ class ModelSpec:
     # flash/memory-efficient kernels that keep none (the meta device runs the math path, which keeps L x L)
     quadratic_is_sdpa: bool = False
     _layers: list[Layer] | None = field(default=None, repr=False)
+    _units: tuple[int, list[int]] | None = field(default=None, repr=False)
 
     # -- ways to name a model -------------------------------------------------------------------------
     @classmethod
@@ -206,6 +207,14 @@ class ModelSpec:
         if self._layers is None:
             self._layers = _layer_records(self.build("meta"))
         return self._layers
+
+    def fsdp_units(self) -> tuple[int, list[int]]:
+        """(the root unit's own elements, each unit's) as ``fully_shard_model(wrap="auto")`` wraps the model."""
+        if self._units is None:
+            from .fsdp_units import unit_numels
+
+            self._units = unit_numels(self.build("meta"))
+        return self._units
 
     def param_shapes(self) -> list[tuple[int, ...]]:
         return [shape for layer in self.layers() for shape in layer.param_shapes]

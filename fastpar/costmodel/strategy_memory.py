@@ -22,6 +22,13 @@ What each strategy keeps, per device of ``N`` (``P`` parameter elements; itemsiz
 
 Activations everywhere are the saved tensors plus backward's transient at its start: the gradient arriving
 at the largest layer output and the one leaving it (2 x that output; for a language model the logits).
+
+The peak (``MemoryBreakdown.total``) is the largest of three moments of a step, not their sum, where the
+layers' outputs are known (:func:`step_peak`): backward's start (what is held + every activation + the loss's
+gradient); the largest gradient's arrival in backward (what is held + autograd's fresh gradient + the buffers
+in flight then + the activations of the layers before it; a layer's gradient curve otherwise); and the
+optimizer step (everything held + the optimizer's temporaries: foreach Adam's ``sqrt`` of the whole second
+moment on GPUs; on CPU, where torch's Adam loops over tensors, two temporaries of the largest tensor stepped).
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ class MemoryBreakdown:
     buffers: int  # in flight at the peak: bucket buffers, gathered units, messages
     persistent_buffers: int = 0  # the part of ``buffers`` allocated once and kept (scratch, pools)
     notes: list[str] = field(default_factory=list)
+    peak: int | None = None  # the step's peak by moment (step_peak); None: the sum of the parts
+    peak_at: str = ""  # the moment that sets it
 
     @property
     def model_state(self) -> int:
@@ -69,7 +78,53 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> int:
-        return self.model_state + self.activations + self.buffers
+        return self.peak if self.peak is not None else self.model_state + self.activations + self.buffers
+
+
+@dataclass(frozen=True)
+class StepMoments:
+    """What a strategy holds beyond the saved activations at each moment of a step (bytes per device)."""
+
+    forward: int  # held through forward and at backward's start (state kept between steps, gathered units)
+    gradient: int  # held when the largest gradient arrives (its fresh copy and the buffers in flight then)
+    step: int  # held in the optimizer step (state, gradients, the optimizer's temporaries)
+
+
+def optimizer_temporaries(optimizer: str, stepped_numel: float, largest_numel: float, itemsize: int, cpu: bool) -> int:
+    """Bytes torch's Adam/AdamW allocates in ``step``: on GPUs (foreach) ``_foreach_sqrt`` of the whole second
+    moment; on CPU (torch's default there is the loop per tensor) ``sqrt`` and its quotient of the largest tensor,
+    two at once. SGD updates in place."""
+    per_param, _ = OPTIMIZER_STATE[optimizer]
+    if per_param < 2:
+        return 0
+    return int((2 * largest_numel if cpu else stepped_numel) * itemsize)
+
+
+def step_peak(
+    moments: StepMoments, activation_per_layer: Sequence[float], outputs: Sequence[float], largest_layer: int
+) -> tuple[int, str]:
+    """The most bytes live at once in a step, and the moment: backward's start (every activation and the loss's
+    gradient, 2 x the last output), the gradient curve (at layer k: the activations of layers 0..k, the gradient
+    arriving at its output and the one leaving at its input), the largest gradient's arrival (activations of
+    layers up to ``largest_layer``), or the optimizer step."""
+    acts = list(activation_per_layer)
+    last = len(acts) - 1
+    start = sum(acts) + 2 * (outputs[last] if acts else 0.0)
+    curve = max(
+        (
+            sum(acts[: k + 1]) + (2 * outputs[k] if k == last else outputs[k]) + (outputs[k - 1] if k else 0.0)
+            for k in range(len(acts))
+        ),
+        default=0.0,
+    )
+    before_largest = sum(acts[:largest_layer])  # its own layer's: partly freed by then (a coarse layer: most)
+    candidates = [
+        (moments.forward + max(start, curve), "backward's start"),
+        (moments.gradient + before_largest, "the largest gradient in backward"),
+        (moments.step, "the optimizer step"),
+    ]
+    value, where = max(candidates, key=lambda c: c[0])
+    return int(value), where
 
 
 def _state_bytes(numel: float, tensors: int, optimizer: str, sizes: DtypeSizes) -> int:
@@ -145,22 +200,71 @@ def strategy_memory(
     cpu_exchange: bool,
     options: dict,
     cap_bytes: int | None = None,
+    outputs: Sequence[float] | None = None,
 ) -> MemoryBreakdown:
     """Bytes per device of ``strategy``; activations are the saved tensors per layer plus the ``transient``
     bytes of backward's start (``options``: ``reshard_after_forward`` for fsdp; ``stages``,
     ``schedule``, ``microbatches``, ``stage_layers`` (layer indices per stage), ``stage_activations`` (bytes per
     stage for one microbatch), ``stage_transients``, ``boundary_bytes`` for pipeline); ``buckets``: each bucket's parameters' elements
     (:func:`bucket_members`);
-    ``cap_bytes``: the bucket cap (ZeRO-2's staging is bounded by twice it; default: the largest bucket)."""
+    ``cap_bytes``: the bucket cap (ZeRO-2's staging is bounded by twice it; default: the largest bucket);
+    ``outputs``: each layer's output bytes -- given, the peak is taken by moment (:func:`step_peak`)."""
+    breakdown, moments = _strategy_memory(
+        strategy,
+        layers,
+        activation_per_layer,
+        transient=transient,
+        devices=devices,
+        optimizer=optimizer,
+        sizes=sizes,
+        buckets=buckets,
+        cpu_exchange=cpu_exchange,
+        options=options,
+        cap_bytes=cap_bytes,
+    )
+    if outputs is not None and moments is not None and len(outputs) == len(layers):
+        breakdown.peak, breakdown.peak_at = step_peak(moments, activation_per_layer, outputs, _largest_layer(layers))
+        breakdown.notes.append(f"peak at {breakdown.peak_at}")
+    return breakdown
+
+
+def _largest_layer(layers: Sequence[Layer]) -> int:
+    """The first layer (forward order) holding the largest parameter: its gradient is the largest in flight."""
+    sizes = [max((_numel(shape) for shape in layer.param_shapes), default=0) for layer in layers]
+    return sizes.index(max(sizes)) if sizes else 0
+
+
+def _strategy_memory(
+    strategy: str,
+    layers: Sequence[Layer],
+    activation_per_layer: Sequence[float],
+    *,
+    transient: float,
+    devices: int,
+    optimizer: str,
+    sizes: DtypeSizes,
+    buckets: Sequence[Sequence[int]],
+    cpu_exchange: bool,
+    options: dict,
+    cap_bytes: int | None,
+) -> tuple[MemoryBreakdown, StepMoments | None]:
+    """:func:`strategy_memory`'s parts, and the bytes held at each moment of a step (None for a pipeline)."""
     n = devices
     numel = sum(layer.numel for layer in layers)
     tensors = sum(len(layer.param_shapes) for layer in layers)
     activations = int(sum(activation_per_layer) + transient)
     pb, rb = sizes.param, sizes.reduce
+    largest_param = max((_numel(shape) for layer in layers for shape in layer.param_shapes), default=0)
+    cpu = cpu_exchange
     if strategy == "ddp":
         narrow = numel * rb if rb != pb else 0
         state = _state_bytes(numel, tensors, optimizer, sizes)
-        return MemoryBreakdown(numel * pb, numel * pb, state, activations, narrow, persistent_buffers=narrow)
+        held = 2 * numel * pb + state + narrow
+        moments = StepMoments(
+            held, held + largest_param * pb, held + optimizer_temporaries(optimizer, numel, largest_param, pb, cpu)
+        )
+        breakdown = MemoryBreakdown(numel * pb, numel * pb, state, activations, narrow, persistent_buffers=narrow)
+        return breakdown, moments
     if strategy in ("zero1", "zero2"):
         if strategy == "zero2":  # the runtime's rule (fastpar.zero.gradient_pool): buckets split to fit its buffers
             cap = cap_bytes if cap_bytes is not None else max((sum(b) for b in buckets), default=0) * rb
@@ -170,9 +274,14 @@ def strategy_memory(
         total_padded = sum(padded)
         state = _state_bytes(total_padded / n, len(padded), optimizer, sizes)
         scratch = int(sum(padded) * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
+        temporaries = optimizer_temporaries(optimizer, total_padded / n, max(padded, default=0) / n, pb, cpu)
         if strategy == "zero1":
             narrow = total_padded * rb if rb != pb else 0
-            return MemoryBreakdown(
+            held = 2 * total_padded * pb + state + narrow
+            # the largest gradient: autograd's copy, and its bucket's receive scratch (freed once summed)
+            largest_scratch = int(max(padded, default=0) * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
+            moments = StepMoments(held, held + largest_param * pb + largest_scratch, held + temporaries)
+            breakdown = MemoryBreakdown(
                 total_padded * pb,
                 total_padded * pb,
                 state,
@@ -180,6 +289,7 @@ def strategy_memory(
                 scratch + narrow,
                 persistent_buffers=narrow,
             )
+            return breakdown, moments
         # pooled buffers of the largest bucket that fits; a larger one (one parameter) is reduced in its gradient's
         # memory, two at a time: on CPU ranks with a scratch of (N-1)/N of it and, padded, a padded copy of the last
         # rank's region (1/N); with torch's reduce-scatter a padded one in a copy of it
@@ -198,14 +308,15 @@ def strategy_memory(
             else:
                 extra = p if p != real else 0
             own_extra = max(own_extra, int(extra * rb))
-        largest_param = max((_numel(shape) for layer in layers for shape in layer.param_shapes), default=0)
         unlaunched = max(buffer, largest_param) * pb  # autograd's .grad not yet staged, dropped at its launch
         # the runtime's OWN_IN_FLIGHT (2): a second large parameter in flight holds its gradient and extras too
         own_extra *= min(2, len(own))
         if len(own) > 1:
             own_extra += max(own) * pb
         transit = pool + scratch + unlaunched + own_extra
-        return MemoryBreakdown(
+        held = total_padded * pb + total_padded // n * pb + state + pool + scratch
+        moments = StepMoments(held, held + unlaunched + own_extra, held + temporaries)
+        breakdown = MemoryBreakdown(
             total_padded * pb,
             total_padded // n * pb,
             state,
@@ -213,19 +324,32 @@ def strategy_memory(
             transit,
             persistent_buffers=pool + scratch,
         )
+        return breakdown, moments
     if strategy == "fsdp":
         shard = sum(_fsdp_shard_numel(layer.param_shapes, n) for layer in layers)
         state = _state_bytes(shard, tensors, optimizer, sizes)
-        units = [layer for layer in layers if layer.repeated and layer.numel]
-        root = numel - sum(u.numel for u in units)
-        largest = max((u.numel for u in units), default=0)
+        if "units" in options:  # fastpar.shard's own choice of units (costmodel.fsdp_units)
+            root, units = options["units"][0], [u for u in options["units"][1] if u]
+        else:
+            units = [layer.numel for layer in layers if layer.repeated and layer.numel]
+            root = numel - sum(units)
+        largest = max(units, default=0)
         if options.get("reshard_after_forward", True):
             gathered = root + min(2, len(units)) * largest
         else:
             gathered = numel
         unsharded_grads = root + largest  # the root's until the end of backward, one unit's until its reduce-scatter
         buffers = gathered * pb + unsharded_grads * max(pb, rb)
-        return MemoryBreakdown(shard * pb, shard * pb, state, activations, buffers)
+        largest_shard = max(
+            (_fsdp_shard_numel([shape], n) for layer in layers for shape in layer.param_shapes), default=0
+        )
+        held = shard * pb + state  # zero_grad(set_to_none) drops the sharded gradients between steps
+        moments = StepMoments(
+            held + gathered * pb,
+            held + max(shard - root // n, 0) * pb + buffers,  # the root's gradient shards come last
+            held + shard * pb + optimizer_temporaries(optimizer, shard, largest_shard, pb, cpu),
+        )
+        return MemoryBreakdown(shard * pb, shard * pb, state, activations, buffers), moments
     if strategy == "pipeline":
         stages = options["stage_layers"]  # stages x virtual stages of them; rank r holds r, r + S, ...
         ranks = options.get("stages", len(stages))
@@ -252,5 +376,5 @@ def strategy_memory(
                     notes=[f"stage {r}" if virtual == 1 else f"rank {r} of the pipeline (stages {mine})"],
                 )
             )
-        return max(per_rank, key=lambda b: b.total)
+        return max(per_rank, key=lambda b: b.total), None
     raise ValueError(f"unknown strategy {strategy!r}")

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
+from ..costmodel.fsdp_units import repeated_blocks as _repeated_blocks  # the rule the planner prices
+
 WrapPolicy = str | int | type | Sequence[type | str] | Callable[[nn.Module], bool] | None
 
 
@@ -78,31 +80,6 @@ def _check_model(model: nn.Module) -> None:
 
 def _has_own_subtree_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
-
-
-def _repeated_blocks(model: nn.Module) -> list[str]:
-    """Children of containers that repeat one parametrised class; no descent into a chosen block."""
-    found: list[str] = []
-
-    def visit(prefix: str, module: nn.Module) -> None:
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            by_class: dict[type, list[str]] = {}
-            for name, child in module.named_children():
-                if _has_own_subtree_params(child):
-                    by_class.setdefault(type(child), []).append(name)
-            repeated = {cls for cls, names in by_class.items() if len(names) >= 2}
-            if repeated:
-                for name, child in module.named_children():
-                    if type(child) in repeated:
-                        found.append(f"{prefix}{name}")
-                    else:
-                        visit(f"{prefix}{name}.", child)
-                return
-        for name, child in module.named_children():
-            visit(f"{prefix}{name}.", child)
-
-    visit("", model)
-    return found
 
 
 def _by_class(model: nn.Module, classes: list[type | str]) -> list[str]:
