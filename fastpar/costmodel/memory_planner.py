@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..user_errors import UserError
+from .bucket_caps import bucket_caps
 from .model_probe import ProbeResult, probe
 from .model_spec import Layer, ModelSpec
 from .pipeline_split import SCHEDULES, pipeline_options, stage_internals
@@ -84,6 +85,7 @@ def plan(
     probe_result: ProbeResult | None = None,
     threads: int | None = None,
     device_flops: float | None = None,
+    activation_checkpointing: bool | None = None,
 ) -> Plan:
     """Per-device bytes and predicted step time of each strategy for ``spec`` on ``devices`` devices of
     ``device_memory`` bytes (None: the smallest GPU NVML reports); ``batch_size`` samples per device of
@@ -93,7 +95,11 @@ def plan(
     "fastpar"). ``threads``: torch threads while timing compute on CPU (default: the host's cores shared by
     ``devices`` CPU ranks, as the launcher gives each rank). Returns a :class:`Plan` whose ``choice`` is the
     fastest strategy that fits. ``device_flops``: FLOP/s one device sustains; compute is then a FLOP count at
-    that rate (the default when planning for GPUs with none here: :data:`ASSUMED_GPU_FLOPS`)."""
+    that rate (the default when planning for GPUs with none here: :data:`ASSUMED_GPU_FLOPS`).
+    ``activation_checkpointing``: None prices DDP, ZeRO and FSDP2 with and without checkpointing the repeated
+    blocks (``fastpar.shard.checkpoint_activations(model)``: each keeps its input and recomputes the rest in
+    backward), True only with, False only without; a model without repeated blocks the probe measured one by
+    one is priced without."""
     _check(devices, batch_size, param_dtype, reduce_dtype, optimizer, strategies, headroom)
     memory = _device_memory(device_memory)
     usable = int(memory * (1 - headroom))
@@ -131,10 +137,16 @@ def plan(
     )
     comm, costs, comm_text = comm_model(profile=profile, fabric=fabric, on_gpu=on_gpu, backend=backend)
     total_bytes = sum(layer.numel for layer in layers) * sizes.param
-    caps = (_MB, 25 * _MB) if on_gpu or devices > 2 else (_MB, max(4 * _MB, -(-total_bytes // 64)))
+    # the runtime's rule (bucket_caps.py); shared buckets on the fastpar backend, with the cores of this host
+    caps = tuple(bucket_caps(total_bytes, "cuda" if on_gpu else "cpu", devices, shared_buckets=backend == "fastpar"))
     context = _Context(layers, measured, sizes, devices, optimizer, comm, costs, opt_s, caps, on_gpu, seq_len, usable)
     if "fsdp" in strategies:
         context.units = spec.fsdp_units()
+    if activation_checkpointing is not False:
+        context.checkpointed = _checkpointable(spec, layers)
+        context.checkpointing = (
+            (False,) if not context.checkpointed else (True,) if activation_checkpointing else (False, True)
+        )
     estimates: list[StrategyEstimate] = []
     for strategy in strategies:
         for options in _variants(strategy, context, batch_size, stages, schedules, microbatches):
@@ -210,6 +222,9 @@ class _Context:
     seq_len: int | None
     usable: int
     units: tuple[int, list[int]] | None = None  # FSDP2's root and units under wrap="auto" (fsdp_units.py)
+    # the blocks activation checkpointing (blocks="auto") would wrap, each as the (first, last) of its probed layers
+    checkpointed: tuple[tuple[int, int], ...] = ()
+    checkpointing: tuple[bool, ...] = (False,)  # the variants priced: without, with, or both
 
     def activations(self, batch: float) -> list[float]:
         return [b * self.sizes.activation_scale for b in self.measured.activation_bytes(batch, self.seq_len)]
@@ -228,10 +243,17 @@ class _Context:
         if strategy == "fsdp" and self.units is not None:
             full = full | {"units": self.units}
         buckets = bucket_members(self.layers, self.caps[1], self.caps[0], self.sizes.param)
+        acts, recompute = self.activations(batch_size), None
+        outputs = [o * self.sizes.activation_scale for o in self.measured.output_bytes(batch_size, self.seq_len)]
+        if options.get("activation_checkpointing"):  # a block keeps its input; backward recomputes the rest
+            recompute = [0.0] * len(acts)
+            for first, last in self.checkpointed:  # recomputed when backward reaches the block (its last layer)
+                recompute[last] = sum(acts[first : last + 1])
+                acts[first : last + 1] = [outputs[first - 1] if first else 0.0] + [0.0] * (last - first)
         breakdown = strategy_memory(
             strategy,
             self.layers,
-            self.activations(batch_size),
+            acts,
             transient=self.transient(batch_size),
             devices=n,
             optimizer=self.optimizer,
@@ -240,9 +262,15 @@ class _Context:
             cpu_exchange=not self.on_gpu,
             options=full,
             cap_bytes=self.caps[1],
-            outputs=[o * self.sizes.activation_scale for o in self.measured.output_bytes(batch_size, self.seq_len)],
+            outputs=outputs,
+            recompute=recompute,
         )
         forward, backward = self.measured.seconds(batch_size, self.seq_len)
+        if options.get("activation_checkpointing"):  # each checkpointed block runs its forward again in backward
+            backward = [
+                b + (f if any(a <= i <= z for a, z in self.checkpointed) else 0.0)
+                for i, (f, b) in enumerate(zip(forward, backward, strict=True))
+            ]
         step = strategy_step_seconds(
             strategy,
             self.layers,
@@ -262,11 +290,31 @@ class _Context:
 
 
 def _variants(strategy, context: _Context, batch_size, stages, schedules, microbatches) -> list[dict]:
-    if strategy == "fsdp":
-        return [{"reshard_after_forward": True}, {"reshard_after_forward": False}]
-    if strategy == "pipeline":
+    if strategy == "pipeline":  # a stage keeps only its microbatches' activations: no checkpointing there
         return pipeline_options(context, batch_size, stages, schedules, microbatches)
-    return [{}]
+    base = [{"reshard_after_forward": True}, {"reshard_after_forward": False}] if strategy == "fsdp" else [{}]
+    return [o | ({"activation_checkpointing": True} if ckpt else {}) for ckpt in context.checkpointing for o in base]
+
+
+def _checkpointable(spec: ModelSpec, layers: Sequence[Layer]) -> tuple[tuple[int, int], ...]:
+    """The blocks ``checkpoint_activations(model)`` wraps (the repeated blocks, the rule FSDP2's units follow), each
+    as the first and last of the probed layers it is made of (a block may be one layer or several, e.g. a
+    ``Sequential`` of conv, norm and activation); none where a block is inside a probed layer (the planner can't
+    price it)."""
+    from .fsdp_units import repeated_blocks
+
+    try:
+        blocks = repeated_blocks(spec.build("meta"))
+    except Exception:  # noqa: BLE001 - a spec that can't be built on the meta device: nothing to price
+        return ()
+    names = [layer.name for layer in layers]
+    spans = []
+    for block in blocks:
+        inside = [i for i, name in enumerate(names) if name == block or name.startswith(block + ".")]
+        if not inside or inside != list(range(inside[0], inside[-1] + 1)):
+            return ()
+        spans.append((inside[0], inside[-1]))
+    return tuple(spans)
 
 
 def _pick(estimates: Sequence[StrategyEstimate]) -> StrategyEstimate | None:

@@ -42,12 +42,18 @@ def model_layers(module: nn.Module) -> list[tuple[str, nn.Module | None, bool]]:
     """``(name, module, repeated)`` for each layer of ``module`` (see the module docstring); the root layer's
     module is None (its parameters are those directly on containers)."""
     layers: list[tuple[str, nn.Module | None, bool]] = []
+    # the root, and a module wrapping it alone (the Trainer's loss wrapper around the model, or a model that is
+    # one submodule and a loss), are opened whatever their forward: their layers are the model's
+    roots, top = {id(module)}, module
+    while len(list(top.children())) == 1 and not list(top.parameters(recurse=False)):
+        top = next(top.children())
+        roots.add(id(top))
 
     def visit(prefix: str, m: nn.Module, repeated: bool) -> None:
         children = list(m.named_children())
         own = list(m.named_parameters(recurse=False))
         holds_only = children and not own and type(m).forward is nn.Module.forward  # a plain holder of modules
-        if isinstance(m, _CONTAINERS) or holds_only or (m is module and children and not own):
+        if isinstance(m, _CONTAINERS) or holds_only or (id(m) in roots and children and not own):
             in_stack = isinstance(m, (nn.ModuleList, nn.Sequential))
             for name, child in children:
                 visit(f"{prefix}.{name}" if prefix else name, child, in_stack)

@@ -46,14 +46,15 @@ class StrategyEstimate:
 
     @property
     def label(self) -> str:
+        ckpt = " ckpt" if self.options.get("activation_checkpointing") else ""  # checkpointed blocks
         if self.strategy == "fsdp":
-            return "fsdp " + ("reshard" if self.options.get("reshard_after_forward", True) else "keep")
+            return "fsdp " + ("reshard" if self.options.get("reshard_after_forward", True) else "keep") + ckpt
         if self.strategy == "pipeline":
             o = self.options
             if o.get("virtual_stages", 1) > 1:  # interleaved: S ranks x V stages each
                 return f"pipeline {o['stages']}x{o['virtual_stages']} il m{o['microbatches']}"
             return f"pipeline {o['stages']}x{o['schedule']} m{o['microbatches']}"
-        return self.strategy
+        return self.strategy + ckpt
 
 
 @dataclass

@@ -101,18 +101,27 @@ def optimizer_temporaries(optimizer: str, stepped_numel: float, largest_numel: f
 
 
 def step_peak(
-    moments: StepMoments, activation_per_layer: Sequence[float], outputs: Sequence[float], largest_layer: int
+    moments: StepMoments,
+    activation_per_layer: Sequence[float],
+    outputs: Sequence[float],
+    largest_layer: int,
+    recompute: Sequence[float] | None = None,
 ) -> tuple[int, str]:
     """The most bytes live at once in a step, and the moment: backward's start (every activation and the loss's
     gradient, 2 x the last output), the gradient curve (at layer k: the activations of layers 0..k, the gradient
     arriving at its output and the one leaving at its input), the largest gradient's arrival (activations of
-    layers up to ``largest_layer``), or the optimizer step."""
+    the layers before ``largest_layer``), or the optimizer step. ``recompute``: per layer, the activations its
+    backward makes again (a checkpointed block: everything it would have saved), live while that layer runs."""
     acts = list(activation_per_layer)
+    again = list(recompute) if recompute is not None else [0.0] * len(acts)
     last = len(acts) - 1
     start = sum(acts) + 2 * (outputs[last] if acts else 0.0)
     curve = max(
         (
-            sum(acts[: k + 1]) + (2 * outputs[k] if k == last else outputs[k]) + (outputs[k - 1] if k else 0.0)
+            sum(acts[: k + 1])
+            + again[k]
+            + (2 * outputs[k] if k == last else outputs[k])
+            + (outputs[k - 1] if k else 0.0)
             for k in range(len(acts))
         ),
         default=0.0,
@@ -201,6 +210,7 @@ def strategy_memory(
     options: dict,
     cap_bytes: int | None = None,
     outputs: Sequence[float] | None = None,
+    recompute: Sequence[float] | None = None,
 ) -> MemoryBreakdown:
     """Bytes per device of ``strategy``; activations are the saved tensors per layer plus the ``transient``
     bytes of backward's start (``options``: ``reshard_after_forward`` for fsdp; ``stages``,
@@ -208,7 +218,8 @@ def strategy_memory(
     stage for one microbatch), ``stage_transients``, ``boundary_bytes`` for pipeline); ``buckets``: each bucket's parameters' elements
     (:func:`bucket_members`);
     ``cap_bytes``: the bucket cap (ZeRO-2's staging is bounded by twice it; default: the largest bucket);
-    ``outputs``: each layer's output bytes -- given, the peak is taken by moment (:func:`step_peak`)."""
+    ``outputs``: each layer's output bytes -- given, the peak is taken by moment (:func:`step_peak`);
+    ``recompute``: what each layer's backward recomputes (activation checkpointing, see :func:`step_peak`)."""
     breakdown, moments = _strategy_memory(
         strategy,
         layers,
@@ -223,7 +234,9 @@ def strategy_memory(
         cap_bytes=cap_bytes,
     )
     if outputs is not None and moments is not None and len(outputs) == len(layers):
-        breakdown.peak, breakdown.peak_at = step_peak(moments, activation_per_layer, outputs, _largest_layer(layers))
+        breakdown.peak, breakdown.peak_at = step_peak(
+            moments, activation_per_layer, outputs, _largest_layer(layers), recompute
+        )
         breakdown.notes.append(f"peak at {breakdown.peak_at}")
     return breakdown
 

@@ -15,7 +15,19 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..costmodel.bucket_caps import (  # the one cap rule, also the planner's
+    CPU_BUCKET_BYTES,
+    CPU_MAX_BUCKETS,
+    DEFAULT_FIRST_BUCKET_BYTES,
+    TORCH_BUCKET_BYTES,
+    bucket_caps,
+)
+
 __all__ = [
+    "CPU_BUCKET_BYTES",
+    "CPU_MAX_BUCKETS",
+    "DEFAULT_FIRST_BUCKET_BYTES",
+    "TORCH_BUCKET_BYTES",
     "Bucket",
     "ParamSlot",
     "assign_buckets",
@@ -26,39 +38,16 @@ __all__ = [
     "storage_flat",
 ]
 
-_MB = 1024 * 1024
-DEFAULT_FIRST_BUCKET_BYTES = _MB  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES
-TORCH_BUCKET_BYTES = 25 * _MB  # torch's default bucket_cap_mb
-CPU_BUCKET_BYTES = 4 * _MB
-CPU_MAX_BUCKETS = 64
-
 
 def default_caps(
     tensors: Sequence[torch.Tensor], world_size: int, *, shared_buckets: bool = False, cores: int | None = None
 ) -> list[int]:
-    """Byte caps (first bucket, then the rest) fastpar uses when the user gives no ``bucket_cap_mb``.
-
-    CPU (gloo), world size <= 2: ~4 MiB buckets. Measured on 2 ranks x 1 thread (``fastpar bench ddp``
-    models): against torch's 25 MiB, more of the all-reduce runs during backward and at most ~4 MiB is
-    left after it; 0.5-1 MiB buckets lose again to gloo's fixed cost per collective (~0.3 ms). Huge models
-    keep at most ``CPU_MAX_BUCKETS`` buckets. At world size <= 2 the layout cannot change results (each
-    element is one a + b); above it the collective's summation order depends on the layout, so fastpar
-    keeps torch's (a 1 MiB first bucket, then 25 MiB), and with it torch's bits. Other devices: torch's.
-
-    ``shared_buckets`` (buckets in shared memory on the "fastpar" backend, :mod:`fastpar.comm.shared_buffers`)
-    with no core to spare beside each rank's compute thread (``cores`` < 2 x ranks; default: this process's
-    usable CPUs): torch's 25 MiB. A bucket's all-reduce then costs one pass over it plus two waits for the
-    other ranks; with every core computing, overlap only time-slices, so fewer buckets waste less.
-    """
-    if not tensors or tensors[0].device.type != "cpu" or world_size > 2:
+    """Byte caps (first bucket, then the rest) fastpar uses when the user gives no ``bucket_cap_mb``: the rule
+    of :func:`fastpar.costmodel.bucket_caps.bucket_caps` (why those sizes: there), for these tensors."""
+    if not tensors:
         return [DEFAULT_FIRST_BUCKET_BYTES, TORCH_BUCKET_BYTES]
-    if shared_buckets:
-        from ..host import usable_cpu_count
-
-        if (usable_cpu_count() if cores is None else cores) < 2 * world_size:
-            return [DEFAULT_FIRST_BUCKET_BYTES, TORCH_BUCKET_BYTES]
     total = sum(t.numel() * t.element_size() for t in tensors)
-    return [DEFAULT_FIRST_BUCKET_BYTES, max(CPU_BUCKET_BYTES, -(-total // CPU_MAX_BUCKETS))]
+    return bucket_caps(total, tensors[0].device.type, world_size, shared_buckets=shared_buckets, cores=cores)
 
 
 def assign_buckets(tensors: Sequence[torch.Tensor], order: Sequence[int], caps: Sequence[int]) -> list[list[int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import random
 import time
 from pathlib import Path
@@ -82,6 +83,15 @@ def check_fp16(device: torch.device, strategy: str) -> None:
         )
 
 
+def _planned_checkpointing(option: Any) -> bool | None:
+    """What the planner prices: not asked -> with and without (it may turn checkpointing on); every repeated block
+    (True) -> only with; another choice of blocks -> as measured, without (more than it will hold)."""
+    from ..shard.activation_checkpoint import checkpointing_spec
+
+    spec = checkpointing_spec(option)
+    return None if spec is None else spec == ("auto", 1)
+
+
 def _classification(out: Any, y: Any) -> bool:
     return torch.is_tensor(out) and torch.is_tensor(y) and out.ndim == 2 and y.ndim == 1 and not y.is_floating_point()
 
@@ -114,6 +124,10 @@ class Run:
         name, plan_options, example = opts.strategy if world_size > 1 else "ddp", {}, None  # one process: no shards
         if name == "auto" or opts.memory_budget is not None:
             name, plan_options = self._plan(name)
+            if plan_options.pop("activation_checkpointing", False) and not opts.activation_checkpointing:
+                # it fits only with the repeated blocks checkpointed: the same bits, a slower step
+                opts = self.opts = dataclasses.replace(opts, activation_checkpointing=True)
+                job = self.job = dataclasses.replace(job, options=opts)
         if name == "pipeline" and world_size > 1:
             example = self._example_batch()
         _seed_everything(opts.seed)  # identical initial weights on every rank
@@ -193,6 +207,7 @@ class Run:
             self.rank,
             self.world_size,
             self.device,
+            activation_checkpointing=_planned_checkpointing(self.opts.activation_checkpointing),
         )
 
     def _example_batch(self, module: torch.nn.Module | None = None) -> Any:

@@ -41,13 +41,18 @@ def plan_sharding(
     rank: int,
     world_size: int,
     device: torch.device,
+    activation_checkpointing: bool | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Collective: ``(strategy, its options)`` every rank agrees on; ``module``, ``optimizer`` and ``example_batch``
     (a batch on the device; ``objective``: the run's :class:`~fastpar.train.batches.Objective`) are needed on
-    rank 0 only. ``strategy``: the one asked for ("auto": the planner's choice). Raises OptionError on every rank when it can't fit the memory."""
+    rank 0 only. ``strategy``: the one asked for ("auto": the planner's choice). ``activation_checkpointing``: the
+    planner's (None: priced with and without; an answer with ``{"activation_checkpointing": True}`` in its options
+    fits only so). Raises OptionError on every rank when it can't fit the memory."""
     answer: list[Any] = [None]
     if rank == 0:
-        answer[0] = _plan_on_rank0(module, optimizer, objective, example_batch, strategy, budget, world_size, device)
+        answer[0] = _plan_on_rank0(
+            module, optimizer, objective, example_batch, strategy, budget, world_size, device, activation_checkpointing
+        )
     if world_size > 1:
         dist.broadcast_object_list(answer, src=0)
     kind, value = answer[0]
@@ -57,9 +62,9 @@ def plan_sharding(
 
 
 def _plan_on_rank0(
-    module, optimizer, objective, example_batch, strategy, budget, world_size, device
+    module, optimizer, objective, example_batch, strategy, budget, world_size, device, activation_checkpointing
 ) -> tuple[str, Any]:
-    from ..costmodel.memory_planner import plan_for_module
+    from ..costmodel.memory_planner import STRATEGIES, plan_for_module
 
     memory = budget or device_memory(device, world_size)
     try:
@@ -73,6 +78,9 @@ def _plan_on_rank0(
             optimizer=optimizer_kind(optimizer),
             device=device.type,
             backend=_cpu_backend(device),
+            activation_checkpointing=activation_checkpointing,
+            # a pipeline's last stage computes loss_fn(outputs, targets): not a choice for the other loss forms
+            strategies=STRATEGIES if objective.takes_pairs else [s for s in STRATEGIES if s != "pipeline"],
         )
     except Exception as exc:  # the planner's own refusal (a model it can't measure, an option out of range)
         return "error", f"the memory planner could not plan this run: {exc}"

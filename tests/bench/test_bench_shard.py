@@ -73,6 +73,32 @@ def test_shard_memory_benchmark_prints_peak_state_plan_paper_and_goals(tmp_path,
     assert len(data["summary"]["goals"]) == 3 * (2 * len(strategies) + 4)
 
 
+@pytest.mark.slow
+def test_shard_memory_benchmark_measures_checkpointing_beside_its_plan(tmp_path, capsys):
+    """--checkpointing adds each strategy with the repeated blocks checkpointed; the plan's ckpt row predicts it."""
+    out = tmp_path / "memory.json"
+    argv = [
+        "shard",
+        "--memory",
+        "--tiny",
+        "--checkpointing",
+        "--models",
+        "decoder",
+        "--nproc",
+        "2",
+        "--backend",
+        "gloo",
+    ]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert "goal: decoder zero2+ckpt: |plan / measured - 1| of the step's peak <= 10%" in capsys.readouterr().out
+    by = json.loads(out.read_text())["summary"]["memory"]["decoder"]["strategies"]
+    for strategy in ("ddp", "zero1", "zero2", "fsdp"):
+        plain, ckpt = by[strategy], by[f"{strategy}+ckpt"]
+        peak = max(rank["peak"] for rank in ckpt["per_rank"])
+        assert peak < max(rank["peak"] for rank in plain["per_rank"])  # the blocks' activations are gone
+        assert abs(ckpt["plan_peak"] / peak - 1) <= 0.10, (strategy, ckpt)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -81,6 +107,7 @@ def test_shard_memory_benchmark_prints_peak_state_plan_paper_and_goals(tmp_path,
         (["shard", "--device-memory", "lots"], "--device-memory"),
         (["shard", "--memory", "--models", "resnet"], "--models: unknown resnet"),
         (["shard", "--tiny"], "add --memory"),
+        (["shard", "--checkpointing"], "add --memory"),
     ],
 )
 def test_shard_benchmark_refuses_what_cannot_run(argv, message, capsys):

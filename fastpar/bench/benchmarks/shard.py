@@ -375,6 +375,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--tiny", action="store_true", help="with --memory: the models at toy sizes (a quick check)")
     group.add_argument(
+        "--checkpointing",
+        action="store_true",
+        help="with --memory: also each strategy with the repeated blocks' activations checkpointed (ddp+ckpt, ...)",
+    )
+    group.add_argument(
         "--device-memory", default=None, help="the planner's memory per device, e.g. 64MB (default 64GiB)"
     )
 
@@ -387,8 +392,8 @@ def run(ctx: BenchContext) -> BenchReport | None:
         raise BenchUsageError(f"--batch must be at least 1, got {flags.batch}")
     if flags.memory:
         return _run_memory(ctx)
-    if flags.models is not None or flags.tiny:
-        raise BenchUsageError("--models and --tiny choose what --memory measures; add --memory")
+    if flags.models is not None or flags.tiny or flags.checkpointing:
+        raise BenchUsageError("--models, --tiny and --checkpointing choose what --memory measures; add --memory")
     for name in ("width", "depth", "microbatches"):
         if getattr(flags, name) < 1:
             raise BenchUsageError(f"--{name} must be at least 1, got {getattr(flags, name)}")
@@ -413,5 +418,5 @@ def _run_memory(ctx: BenchContext) -> BenchReport | None:
     unknown = [m for m in names if m not in MODELS]
     if unknown or not names:
         raise BenchUsageError(f"--models: unknown {', '.join(unknown) or 'none given'}; of {', '.join(MODELS)} or all")
-    settings = MemorySettings(tuple(dict.fromkeys(names)), flags.batch, flags.tiny)
+    settings = MemorySettings(tuple(dict.fromkeys(names)), flags.batch, flags.tiny, flags.checkpointing)
     return launch.run_distributed(memory_rank_main, ctx, settings)

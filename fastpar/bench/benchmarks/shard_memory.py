@@ -34,6 +34,7 @@ from ..table import BenchReport, Column, PlotSpec
 from .shard_models import ModelCase, call, model_case, to_device
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+CKPT = "+ckpt"  # a strategy with fastpar.shard.checkpoint_activations(model) applied first
 LR, WEIGHT_DECAY = 1e-3, 0.01
 PEAK_PREDICTION = Goal("|plan / measured - 1| of the step's peak", "", 0.10, AT_MOST, unit="%")
 STATE_PREDICTION = Goal("|plan / measured - 1| of state + buffers", "", 0.05, AT_MOST, unit="%")
@@ -50,6 +51,11 @@ class MemorySettings:
     models: tuple[str, ...]
     batch: int | None  # per rank; None: each model's own
     tiny: bool  # the models at toy sizes
+    checkpointing: bool = False  # also each strategy with the repeated blocks checkpointed ("ddp+ckpt", ...)
+
+    @property
+    def strategies(self) -> tuple[str, ...]:
+        return STRATEGIES + (tuple(f"{s}{CKPT}" for s in STRATEGIES) if self.checkpointing else ())
 
 
 class _Trainee:
@@ -62,6 +68,11 @@ class _Trainee:
 
         self.case, self.sharded = case, None
         module = case.build().to(device)
+        if strategy.endswith(CKPT):
+            from ...shard import checkpoint_activations
+
+            checkpoint_activations(module)
+            strategy = strategy.removesuffix(CKPT)
         self.module: nn.Module = module
         if strategy == "fsdp":
             self.model = fully_shard_model(module, reshard_after_forward=True)
@@ -127,10 +138,14 @@ def _plan(case: ModelCase, batch: Any, world_size: int, backend: str, device: to
 
 
 def _estimate(plan, strategy: str):
+    ckpt = strategy.endswith(CKPT)
+    strategy = strategy.removesuffix(CKPT)
     rows = [
         e
         for e in plan.estimates
-        if e.strategy == strategy and (strategy != "fsdp" or e.options.get("reshard_after_forward", True))
+        if e.strategy == strategy
+        and (strategy != "fsdp" or e.options.get("reshard_after_forward", True))
+        and bool(e.options.get("activation_checkpointing")) == ckpt
     ]
     return rows[0] if rows else None
 
@@ -152,6 +167,17 @@ def paper_figure(strategy: str, p: float, g: float, s: float, n: int) -> float:
     return {"ddp": p + g + s, "zero1": p + g + s / n, "zero2": p + (g + s) / n, "fsdp": (p + g + s) / n}[strategy]
 
 
+def _strategies_for(case: ModelCase, settings: MemorySettings) -> tuple[str, ...]:
+    """The settings' strategies; the checkpointed ones only for a model with repeated blocks to checkpoint."""
+    from ...shard.activation_checkpoint import ActivationCheckpointError, block_names
+
+    try:
+        has_blocks = bool(block_names(case.build()))
+    except ActivationCheckpointError:
+        has_blocks = False
+    return tuple(s for s in settings.strategies if has_blocks or not s.endswith(CKPT))
+
+
 def memory_rank_main(rank: int, world_size: int, ctx: BenchContext, settings: MemorySettings) -> BenchReport | None:
     device = launch.rank_device(ctx.backend)
     measured: dict[str, dict[str, list[dict[str, int]]]] = {}
@@ -161,7 +187,7 @@ def memory_rank_main(rank: int, world_size: int, ctx: BenchContext, settings: Me
         gen = torch.Generator().manual_seed(1 + rank)
         batch = to_device(case.batch(settings.batch or case.default_batch, gen), device)
         batches[name] = batch
-        measured[name] = {s: _measure(case, s, batch, device) for s in STRATEGIES}
+        measured[name] = {s: _measure(case, s, batch, device) for s in _strategies_for(case, settings)}
     if rank != 0:
         return None
     plans, facts = {}, {}
@@ -191,7 +217,7 @@ def _report(ctx, settings, world_size, measured, plans, facts) -> BenchReport:
                 if estimate is not None
                 else float("nan")
             )
-            paper = paper_figure(strategy, f["P"], f["G"], f["S"], n)
+            paper = paper_figure(strategy.removesuffix(CKPT), f["P"], f["G"], f["S"], n)
             for rank, m in enumerate(ranks):
                 rows.append(
                     dict(
@@ -219,6 +245,8 @@ def _report(ctx, settings, world_size, measured, plans, facts) -> BenchReport:
                 "paper": paper,
             }
             scope = f"{name} {strategy}"
+            if estimate is None:  # checkpointing the planner can't price here (its blocks are not probed layers)
+                continue
             goals.append(PEAK_PREDICTION.check(abs(_ratio(plan_peak, largest[strategy]["peak"]) - 1), scope=scope))
             goals.append(STATE_PREDICTION.check(abs(_ratio(plan_state, largest[strategy]["total"]) - 1), scope=scope))
         for strategy, goal in (("zero2", ZERO2_PAPER), ("zero1", ZERO1_PAPER)):
@@ -247,6 +275,11 @@ def _report(ctx, settings, world_size, measured, plans, facts) -> BenchReport:
         "paper": "P + G + S (ddp), P + G + S/N (zero1), P + (G + S)/N (zero2), (P + G + S)/N (fsdp); G = P, S = 2P",
         "staging": "min(2 x bucket cap, G(N-1)/(2N))",
     }
+    if settings.checkpointing:
+        header["+ckpt"] = (
+            "checkpoint_activations(model) first (the repeated blocks); plan: the planner's ckpt row, nan where it "
+            "can't price it (the blocks are not layers its probe measured); a model without blocks has no such rows"
+        )
     header |= {f"model {name}": text for name, text in models.items()}
     return BenchReport(
         benchmark="shard",
