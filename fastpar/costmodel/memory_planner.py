@@ -247,8 +247,8 @@ class _Context:
         outputs = [o * self.sizes.activation_scale for o in self.measured.output_bytes(batch_size, self.seq_len)]
         if options.get("activation_checkpointing"):  # a block keeps its input; backward recomputes the rest
             recompute = [0.0] * len(acts)
-            for first, last in self.checkpointed:  # recomputed when backward reaches the block (its last layer)
-                recompute[last] = sum(acts[first : last + 1])
+            for first, last in self.checkpointed:  # recomputed when backward reaches the block, freed layer by layer
+                recompute[first : last + 1] = [sum(acts[first : k + 1]) for k in range(first, last + 1)]
                 acts[first : last + 1] = [outputs[first - 1] if first else 0.0] + [0.0] * (last - first)
         breakdown = strategy_memory(
             strategy,

@@ -110,8 +110,8 @@ def step_peak(
     """The most bytes live at once in a step, and the moment: backward's start (every activation and the loss's
     gradient, 2 x the last output), the gradient curve (at layer k: the activations of layers 0..k, the gradient
     arriving at its output and the one leaving at its input), the largest gradient's arrival (activations of
-    the layers before ``largest_layer``), or the optimizer step. ``recompute``: per layer, the activations its
-    backward makes again (a checkpointed block: everything it would have saved), live while that layer runs."""
+    the layers before ``largest_layer``), or the optimizer step. ``recompute``: per layer, the recomputed
+    activations live while its backward runs (in a checkpointed block: those of the block's layers up to it)."""
     acts = list(activation_per_layer)
     again = list(recompute) if recompute is not None else [0.0] * len(acts)
     last = len(acts) - 1
@@ -126,7 +126,8 @@ def step_peak(
         ),
         default=0.0,
     )
-    before_largest = sum(acts[:largest_layer])  # its own layer's: partly freed by then (a coarse layer: most)
+    # its own layer's saved activations: partly freed by then (a coarse layer: most); a recomputed block's: live
+    before_largest = sum(acts[:largest_layer]) + (again[largest_layer] if acts else 0.0)
     candidates = [
         (moments.forward + max(start, curve), "backward's start"),
         (moments.gradient + before_largest, "the largest gradient in backward"),
