@@ -1,5 +1,5 @@
-"""Which modules FSDP2 wraps as units under ``wrap="auto"``, and their sizes: the one rule that
-``fastpar.shard.select_units`` applies and the memory planner prices.
+"""Which modules FSDP2 wraps as units under ``wrap="auto"``, where a parameter shared across units goes, and the
+units' sizes: the rules ``fastpar.shard.select_units`` applies and the memory planner prices.
 
 ``"auto"`` takes repeated blocks: the children of a ``ModuleList``/``Sequential`` that are two or more
 instances of one class with parameters (a transformer's layers, an MLP's Linear stack, also inside a module
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["repeated_blocks", "unit_numels"]
+__all__ = ["innermost_unit", "place_shared_parameters", "repeated_blocks", "unit_numels"]
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -44,13 +44,77 @@ def repeated_blocks(model: nn.Module) -> list[str]:
 
 
 def unit_numels(model: nn.Module) -> tuple[int, list[int]]:
-    """(the root unit's own elements, each repeated block's) under ``wrap="auto"``; a tied parameter once, in
-    the first unit that holds it (the root when it is shared with the root's own layers)."""
+    """(the root unit's own elements, each unit's) under ``wrap="auto"``, after a shared parameter's placement
+    (:func:`place_shared_parameters`); a tied parameter once, in the unit that holds it."""
+    import warnings
+
+    with warnings.catch_warnings():  # fully_shard_model says it when it shards; a plan only counts
+        warnings.simplefilter("ignore")
+        names = [u for u in place_shared_parameters(model, [*repeated_blocks(model), ""]) if u]
     claimed: set[int] = set()
     units = []
-    for name in repeated_blocks(model):
+    for name in names:
         params = [p for p in model.get_submodule(name).parameters() if id(p) not in claimed]
         claimed.update(id(p) for p in params)
         units.append(sum(p.numel() for p in params))
     root = sum(p.numel() for p in model.parameters() if id(p) not in claimed)
     return root, units
+
+
+def innermost_unit(module_name: str, unit_set: set[str]) -> str:
+    """The innermost of ``unit_set`` around module ``module_name`` (the root ``""`` when none is)."""
+    parts = module_name.split(".") if module_name else []
+    for cut in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:cut])
+        if candidate in unit_set:
+            return candidate
+    return ""
+
+
+def place_shared_parameters(model: nn.Module, units: list[str]) -> list[str]:
+    """``units`` without those that would split a shared parameter: a parameter registered by modules in different
+    units (a tied embedding and head wrapped apart, blocks sharing a layer) belongs to their nearest common
+    ancestor unit (the root at least), so every unit below it that holds a use is left unwrapped -- a unit frees
+    its gathered parameters after its forward, and another unit would compute with a shard. Says so in a
+    warning naming the parameter and the units."""
+    kept = list(units)
+    dropped: dict[str, list[str]] = {}  # unit -> the shared parameters that unwrapped it
+    while True:
+        unit_set = set(kept)
+        users: dict[int, list[tuple[str, str]]] = {}  # id(param) -> [(param name, unit)]
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            unit = innermost_unit(module_name, unit_set)
+            for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
+                users.setdefault(id(p), []).append((f"{module_name}.{pname}" if module_name else pname, unit))
+        split = [uses for uses in users.values() if len({unit for _, unit in uses}) > 1]
+        if not split:
+            break
+        for uses in split:
+            ancestor = _common_unit([unit for _, unit in uses], unit_set)
+            for _, unit in uses:
+                if unit != ancestor and unit in kept:
+                    kept.remove(unit)
+                    dropped.setdefault(unit, []).append(uses[0][0])
+    if dropped:
+        import warnings
+
+        parts = "; ".join(f"{unit} (shares {', '.join(dict.fromkeys(names))})" for unit, names in dropped.items())
+        warnings.warn(
+            f"fully_shard_model: not wrapping {parts} as units: a parameter shared with another unit is placed in "
+            "their common ancestor unit (the root holds what no wrapped unit does), gathered for its whole forward "
+            "and backward. Untie the parameter to shard those modules apart",
+            UserWarning,
+            stacklevel=3,
+        )
+    return kept
+
+
+def _common_unit(units: list[str], unit_set: set[str]) -> str:
+    """The innermost unit around every one of ``units`` (the root ``""`` when no other is)."""
+    parts = [u.split(".") if u else [] for u in units]
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return innermost_unit(".".join(common), unit_set)

@@ -15,9 +15,10 @@ and backward and reduce-scattered together after its backward. Fewer, larger uni
 
 The root is always a unit, wrapped last (it owns whatever no unit below it claims). Everything FSDP2 would
 reject or fail on in the first step is refused here, before anything is sharded: a model without
-parameters, a unit class absent from the model, a parameter shared by modules in different units (a unit
-frees its gathered parameters after its forward, so the other unit would compute with a shard), a module
-that is already sharded.
+parameters, a unit class absent from the model, a module that is already sharded. A parameter shared by
+modules in different units (a unit frees its gathered parameters after its forward, so the other unit would
+compute with a shard) is not refused: it is placed in the nearest unit around all its users, and the units
+below that holding a use are left unwrapped (a warning says which).
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from ..costmodel.fsdp_units import repeated_blocks as _repeated_blocks  # the rule the planner prices
+# the rules the planner prices too: which blocks "auto" takes, where a shared parameter goes
+from ..costmodel.fsdp_units import innermost_unit as _innermost_unit
+from ..costmodel.fsdp_units import place_shared_parameters as _place_shared_parameters
+from ..costmodel.fsdp_units import repeated_blocks as _repeated_blocks
 
 WrapPolicy = str | int | type | Sequence[type | str] | Callable[[nn.Module], bool] | None
 
@@ -58,8 +62,7 @@ def select_units(model: nn.Module, wrap: WrapPolicy = "auto") -> list[str]:
     else:
         raise WrapError(f"wrap={wrap!r}: give 'auto', 'root', block classes, a parameter count or a callable")
     units = _wrap_order(model, chosen)
-    _check_shared_parameters(model, units)
-    return units
+    return _place_shared_parameters(model, units)
 
 
 def _check_model(model: nn.Module) -> None:
@@ -155,33 +158,6 @@ def unit_of_each_parameter(model: nn.Module, units: list[str]) -> dict[str, str]
         for pname, _ in module.named_parameters(recurse=False, remove_duplicate=False):
             owner[f"{module_name}.{pname}" if module_name else pname] = unit
     return owner
-
-
-def _innermost_unit(module_name: str, unit_set: set[str]) -> str:
-    parts = module_name.split(".") if module_name else []
-    for cut in range(len(parts), 0, -1):
-        candidate = ".".join(parts[:cut])
-        if candidate in unit_set:
-            return candidate
-    return ""
-
-
-def _check_shared_parameters(model: nn.Module, units: list[str]) -> None:
-    unit_set = set(units)
-    users: dict[int, list[tuple[str, str]]] = {}  # id(param) -> [(param name, unit)]
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        unit = _innermost_unit(module_name, unit_set)
-        for pname, p in module.named_parameters(recurse=False, remove_duplicate=False):
-            users.setdefault(id(p), []).append((f"{module_name}.{pname}" if module_name else pname, unit))
-    for uses in users.values():
-        owning_units = {unit for _, unit in uses}
-        if len(owning_units) > 1:
-            names = ", ".join(f"{name} (unit {unit or '<root>'})" for name, unit in uses)
-            raise WrapError(
-                f"parameter shared across FSDP units: {names}. A unit frees its gathered parameters after its "
-                f"forward, so the other unit would compute with a shard. Keep the sharing modules in one unit "
-                f"(leave them out of wrap, so the root owns the tied parameter) or untie the parameter"
-            )
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -46,7 +46,6 @@ def test_classes_names_sizes_and_callables_pick_units():
         (TinyTransformer(), "Attention", "use wrap='auto'"),
         (TinyTransformer(), [nn.GELU, Block], "no module of class ['GELU']"),
         (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [nn.ReLU], "have no parameters"),
-        (Tied(), ["Linear", "Embedding"], "parameter shared across FSDP units: embed.weight (unit embed)"),
         (TinyTransformer(), 0, "at least 1"),
         (TinyTransformer(), 3.5, "give 'auto'"),
     ],
@@ -55,6 +54,23 @@ def test_bad_wrap_inputs_are_refused_with_what_to_change(model, wrap, says):
     with pytest.raises(WrapError) as info:
         select_units(model, wrap)
     assert says in str(info.value)
+
+
+def test_a_parameter_shared_across_units_goes_to_their_common_ancestor():
+    """Not refused: the units that would split a tied parameter are left unwrapped (the root holds it), with a
+    warning naming them; the other units stay."""
+    with pytest.warns(UserWarning, match=r"not wrapping .*embed.* \(shares embed.weight\).*head"):
+        units = select_units(Tied(), ["Linear", "Embedding"])
+    assert units == ["layers.0", "layers.1", ""]
+    from fsdp_training import shared_layer_stack
+
+    with pytest.warns(UserWarning, match=r"not wrapping 1 \(shares 1.weight\); 3"):
+        assert select_units(shared_layer_stack(), "auto") == ["0", "2", ""]
+    # a common ancestor that is a unit itself holds the parameter: only the units below it are unwrapped
+    nested = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4))
+    nested[0][1].weight = nested[0][0].weight
+    with pytest.warns(UserWarning):
+        assert select_units(nested, lambda m: isinstance(m, nn.Linear) or m is nested[0]) == ["0", "1", ""]
 
 
 def test_a_tied_parameter_inside_one_unit_is_fine():

@@ -42,6 +42,13 @@ def mlp_stack(width: int = 20, depth: int = 4) -> nn.Module:
     return nn.Sequential(*(nn.Linear(width, width) for _ in range(depth)))
 
 
+def shared_layer_stack(width: int = 20, depth: int = 4) -> nn.Module:
+    """``mlp_stack`` whose blocks 1 and 3 are one Linear (ALBERT-style sharing): FSDP2 can't shard them apart."""
+    model = mlp_stack(width, depth)
+    model[3].weight, model[3].bias = model[1].weight, model[1].bias
+    return model
+
+
 def gpt_style_init(module: nn.Module) -> None:
     """An ``init_fn`` of the kind passed to ``model.apply``: normal weights, zero biases."""
     if isinstance(module, nn.Linear):
