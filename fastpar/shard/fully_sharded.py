@@ -55,13 +55,18 @@ def fully_shard_model(
     - ``reshard_after_forward``: free each unit's gathered parameters after its forward (``True``: least
       memory, one more all-gather per unit in backward), keep them (``False``: ZeRO-2-like memory, fewer
       collectives), or an ``int``: reshard to groups of that many ranks (a divisor of the group size).
-      With ``True`` the root and the last unit (in registration order) keep their parameters after forward:
-      backward starts with them, so resharding them would only gather them again.
+      With ``True`` the root and the last unit to run keep their parameters after forward: backward starts
+      with them, so resharding them would only gather them again.
     - ``device``: where the shards live; default: the model's device, else the current CUDA device on
       NCCL, else the CPU.
     - ``init_fn``: ``init_fn(module)`` for every module after ``reset_parameters()``, as ``model.apply`` calls it.
     - ``prefetch``: all-gather the next ``prefetch`` units explicitly while one unit computes, forward and
-      backward, in the units' registration order (0: torch's implicit backward prefetch only).
+      backward, in the order the units run (0: torch's implicit backward prefetch only).
+
+    The order the units run in is recorded at the first forward (``model._fastpar_unit_order``): where it is not
+    the registration order (an encoder-decoder registered decoder first, a ``ModuleDict``), the prefetch lists
+    and the unit kept after forward follow it from then on. A unit that runs twice or not at all in that forward
+    leaves the registration order in place.
 
     On gloo, gradients are reduce-scattered as an all-reduce and a slice (:mod:`.gloo_reduce_scatter`):
     faster there, and the same sums bit for bit.
@@ -128,6 +133,7 @@ def fully_shard_model(
         materialize_shards(model, record, device, group=group)
     if prefetch:
         _set_prefetch(inner, prefetch)
+    _follow_execution_order(model, inner, units[:-1], prefetch, keep_last=reshard_after_forward is True)
     return model
 
 
@@ -167,6 +173,38 @@ def _mesh(group, device: torch.device):
     from torch.distributed.device_mesh import DeviceMesh
 
     return DeviceMesh.from_group(group, device.type)
+
+
+def _follow_execution_order(
+    model: nn.Module, inner: list[nn.Module], names: list[str], prefetch: int, keep_last: bool
+) -> None:
+    """At the first forward, record the order ``inner`` runs in; where it is not the registration order, prefetch
+    in that order and keep the unit that runs last gathered after forward (instead of the last registered)."""
+    ran: list[int] = []
+    handles = [unit.register_forward_pre_hook(lambda _m, _a, i=i: ran.append(i)) for i, unit in enumerate(inner)]
+
+    def start(_module, _args) -> None:
+        ran.clear()  # a forward that raised before its end recorded part of an order
+
+    def done(_module, _args, _output) -> None:
+        for handle in (*handles, *roots):
+            handle.remove()
+        if sorted(ran) != list(range(len(inner))):
+            return  # a unit ran twice or not at all: no single order to follow, the registration order stays
+        model._fastpar_unit_order = [names[i] for i in ran]
+        if ran == sorted(ran):
+            return
+        order = [inner[i] for i in ran]
+        if prefetch:
+            for unit in inner:
+                unit.set_modules_to_forward_prefetch([])
+                unit.set_modules_to_backward_prefetch([])
+            _set_prefetch(order, prefetch)
+        if keep_last:  # takes effect from the next forward (this one kept the last registered unit)
+            inner[-1].set_reshard_after_forward(True, recurse=False)
+            order[-1].set_reshard_after_forward(False, recurse=False)
+
+    roots = [model.register_forward_pre_hook(start), model.register_forward_hook(done)]
 
 
 def _set_prefetch(units: list[nn.Module], depth: int) -> None:

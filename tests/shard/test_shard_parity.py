@@ -128,3 +128,66 @@ def test_a_layer_shared_by_two_blocks_is_sharded_in_the_root_and_trains_like_ddp
     2 ranks are bit-identical to DDP (a sum of two is order-free, halving exact)."""
     for rank, r in enumerate(spawn(_shared_rank, 2, backend="gloo", timeout=300)):
         assert r["identical"], f"rank {rank}: fully sharded with a shared layer differs from DDP: {r}"
+
+
+class _DecoderFirst(torch.nn.Module):
+    """Registered decoder first, run encoder first: the registration order is not the execution order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parts = torch.nn.ModuleDict(
+            {
+                "decoder": torch.nn.Sequential(*(torch.nn.Linear(20, 20) for _ in range(2))),
+                "encoder": torch.nn.Sequential(*(torch.nn.Linear(20, 20) for _ in range(2))),
+            }
+        )
+
+    def forward(self, x):
+        return self.parts["decoder"](torch.tanh(self.parts["encoder"](x)))
+
+
+def _order_rank(rank: int, world: int) -> dict:
+    import fsdp_training as ft
+
+    import fastpar
+    from fastpar.shard import fully_shard_model
+
+    sharded = fully_shard_model(_DecoderFirst, wrap="auto", seed=0, prefetch=1)
+    torch.manual_seed(0)
+    replicated = fastpar.DistributedDataParallel(_DecoderFirst())
+    results = []
+    for model in (sharded, replicated):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(4):
+            optimizer.zero_grad()
+            ft.loss_of(model, ft.batch("mlp", step, rank)).backward()
+            optimizer.step()
+        results.append(ft.full_parameters(model))
+    units = {name: sharded.get_submodule(name) for name in sharded._fastpar_unit_order}
+    ahead = {
+        name: [
+            s._modules[0] if hasattr(s, "_modules") else s for s in unit._get_fsdp_state()._states_to_forward_prefetch
+        ]
+        for name, unit in units.items()
+    }
+    keep = {
+        name: unit._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None for name, unit in units.items()
+    }
+    a, b = results
+    b = {name.removeprefix("module."): t for name, t in b.items()}
+    order = sharded._fastpar_unit_order
+    return {
+        "order": order,
+        "next": {n: [units_name for units_name, u in units.items() if u in ahead[n]] for n in order},
+        "keep": keep,
+        "identical": all(torch.equal(a[k], b[k]) for k in a),
+    }
+
+
+def test_units_prefetch_and_keep_in_the_order_the_forward_runs():
+    for r in spawn(_order_rank, 2, backend="gloo", timeout=300):
+        order = r["order"]
+        assert order == ["parts.encoder.0", "parts.encoder.1", "parts.decoder.0", "parts.decoder.1"], r
+        assert r["next"] == {a: [b] for a, b in zip(order, order[1:], strict=False)} | {order[-1]: []}, r
+        assert r["keep"] == {name: name == order[-1] for name in order}, r  # the last to run stays gathered
+        assert r["identical"], r
