@@ -61,25 +61,33 @@ def test_fully_shard_model_matches_fsdp2_by_hand(backend, world, kind, precision
     _check(spawn(_parity_rank, world, kind, precision, wrap, backend=backend, timeout=600))
 
 
-def _ddp_rank(rank: int, world: int) -> dict:
+def _sharded_and_ddp(build, rank: int, steps: int = 5, **shard_options) -> tuple:
+    """``fully_shard_model(build)`` and fastpar DDP over ``build()`` (same seed), each trained ``steps`` SGD steps
+    on this rank's batches: the sharded model, then both models' full parameters by the same names."""
     import fsdp_training as ft
 
     import fastpar
     from fastpar.shard import fully_shard_model
 
-    sharded = fully_shard_model(ft.mlp_stack, wrap="auto", seed=0)
+    sharded = fully_shard_model(build, wrap="auto", seed=0, **shard_options)
     torch.manual_seed(0)
-    replicated = fastpar.DistributedDataParallel(ft.mlp_stack())
+    replicated = fastpar.DistributedDataParallel(build())
     results = []
     for model in (sharded, replicated):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # AdamW's first steps hide grad bits
-        for step in range(5):
+        for step in range(steps):
             optimizer.zero_grad()
             ft.loss_of(model, ft.batch("mlp", step, rank)).backward()
             optimizer.step()
         results.append(ft.full_parameters(model))
     a, b = results
-    b = {name.removeprefix("module."): t for name, t in b.items()}
+    return sharded, a, {name.removeprefix("module."): t for name, t in b.items()}
+
+
+def _ddp_rank(rank: int, world: int) -> dict:
+    import fsdp_training as ft
+
+    _, a, b = _sharded_and_ddp(ft.mlp_stack, rank)
     return {
         "max_abs": max((a[k] - b[k]).abs().max().item() for k in a),
         "close": all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6) for k in a),
@@ -104,22 +112,7 @@ def test_fully_sharded_training_matches_ddp_within_rounding(world):
 def _shared_rank(rank: int, world: int) -> dict:
     import fsdp_training as ft
 
-    import fastpar
-    from fastpar.shard import fully_shard_model
-
-    sharded = fully_shard_model(ft.shared_layer_stack, wrap="auto", seed=0)
-    torch.manual_seed(0)
-    replicated = fastpar.DistributedDataParallel(ft.shared_layer_stack())
-    results = []
-    for model in (sharded, replicated):
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        for step in range(5):
-            optimizer.zero_grad()
-            ft.loss_of(model, ft.batch("mlp", step, rank)).backward()
-            optimizer.step()
-        results.append(ft.full_parameters(model))
-    a, b = results
-    b = {name.removeprefix("module."): t for name, t in b.items()}
+    _, a, b = _sharded_and_ddp(ft.shared_layer_stack, rank)
     return {"names": sorted(a), "identical": all(torch.equal(a[k], b[k]) for k in a)}
 
 
@@ -147,39 +140,15 @@ class _DecoderFirst(torch.nn.Module):
 
 
 def _order_rank(rank: int, world: int) -> dict:
-    import fsdp_training as ft
-
-    import fastpar
-    from fastpar.shard import fully_shard_model
-
-    sharded = fully_shard_model(_DecoderFirst, wrap="auto", seed=0, prefetch=1)
-    torch.manual_seed(0)
-    replicated = fastpar.DistributedDataParallel(_DecoderFirst())
-    results = []
-    for model in (sharded, replicated):
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        for step in range(4):
-            optimizer.zero_grad()
-            ft.loss_of(model, ft.batch("mlp", step, rank)).backward()
-            optimizer.step()
-        results.append(ft.full_parameters(model))
-    units = {name: sharded.get_submodule(name) for name in sharded._fastpar_unit_order}
-    ahead = {
-        name: [
-            s._modules[0] if hasattr(s, "_modules") else s for s in unit._get_fsdp_state()._states_to_forward_prefetch
-        ]
-        for name, unit in units.items()
-    }
-    keep = {
-        name: unit._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is None for name, unit in units.items()
-    }
-    a, b = results
-    b = {name.removeprefix("module."): t for name, t in b.items()}
+    sharded, a, b = _sharded_and_ddp(_DecoderFirst, rank, steps=4, prefetch=1)
     order = sharded._fastpar_unit_order
+    states = {name: sharded.get_submodule(name)._get_fsdp_state() for name in order}
     return {
         "order": order,
-        "next": {n: [units_name for units_name, u in units.items() if u in ahead[n]] for n in order},
-        "keep": keep,
+        "next": {
+            n: [m for m in order if states[m] in state._states_to_forward_prefetch] for n, state in states.items()
+        },
+        "keep": {n: state._fsdp_param_group.post_forward_mesh_info is None for n, state in states.items()},
         "identical": all(torch.equal(a[k], b[k]) for k in a),
     }
 
