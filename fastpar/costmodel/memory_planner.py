@@ -267,10 +267,8 @@ class _Context:
         )
         forward, backward = self.measured.seconds(batch_size, self.seq_len)
         if options.get("activation_checkpointing"):  # each checkpointed block runs its forward again in backward
-            backward = [
-                b + (f if any(a <= i <= z for a, z in self.checkpointed) else 0.0)
-                for i, (f, b) in enumerate(zip(forward, backward, strict=True))
-            ]
+            inside = {i for first, last in self.checkpointed for i in range(first, last + 1)}
+            backward = [b + (f if i in inside else 0.0) for i, (f, b) in enumerate(zip(forward, backward, strict=True))]
         step = strategy_step_seconds(
             strategy,
             self.layers,

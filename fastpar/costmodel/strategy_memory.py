@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 from .model_spec import Layer
 from .pipeline_split import in_flight
@@ -115,19 +116,17 @@ def step_peak(
     acts = list(activation_per_layer)
     again = list(recompute) if recompute is not None else [0.0] * len(acts)
     last = len(acts) - 1
-    start = sum(acts) + 2 * (outputs[last] if acts else 0.0)
+    upto = list(accumulate(acts))  # upto[k]: activations of layers 0..k, still saved when backward reaches k
+    start = (upto[last] + 2 * outputs[last]) if acts else 0.0
     curve = max(
         (
-            sum(acts[: k + 1])
-            + again[k]
-            + (2 * outputs[k] if k == last else outputs[k])
-            + (outputs[k - 1] if k else 0.0)
+            upto[k] + again[k] + (2 * outputs[k] if k == last else outputs[k]) + (outputs[k - 1] if k else 0.0)
             for k in range(len(acts))
         ),
         default=0.0,
     )
     # its own layer's saved activations: partly freed by then (a coarse layer: most); a recomputed block's: live
-    before_largest = sum(acts[:largest_layer]) + (again[largest_layer] if acts else 0.0)
+    before_largest = (upto[largest_layer] - acts[largest_layer] + again[largest_layer]) if acts else 0.0
     candidates = [
         (moments.forward + max(start, curve), "backward's start"),
         (moments.gradient + before_largest, "the largest gradient in backward"),
@@ -269,13 +268,14 @@ def _strategy_memory(
     activations = int(sum(activation_per_layer) + transient)
     pb, rb = sizes.param, sizes.reduce
     largest_param = max((_numel(shape) for layer in layers for shape in layer.param_shapes), default=0)
-    cpu = cpu_exchange
     if strategy == "ddp":
         narrow = numel * rb if rb != pb else 0
         state = _state_bytes(numel, tensors, optimizer, sizes)
         held = 2 * numel * pb + state + narrow
         moments = StepMoments(
-            held, held + largest_param * pb, held + optimizer_temporaries(optimizer, numel, largest_param, pb, cpu)
+            held,
+            held + largest_param * pb,
+            held + optimizer_temporaries(optimizer, numel, largest_param, pb, cpu_exchange),
         )
         breakdown = MemoryBreakdown(numel * pb, numel * pb, state, activations, narrow, persistent_buffers=narrow)
         return breakdown, moments
@@ -288,7 +288,7 @@ def _strategy_memory(
         total_padded = sum(padded)
         state = _state_bytes(total_padded / n, len(padded), optimizer, sizes)
         scratch = int(sum(padded) * (n - 1) / n * rb) if cpu_exchange and n > 1 else 0
-        temporaries = optimizer_temporaries(optimizer, total_padded / n, max(padded, default=0) / n, pb, cpu)
+        temporaries = optimizer_temporaries(optimizer, total_padded / n, max(padded, default=0) / n, pb, cpu_exchange)
         if strategy == "zero1":
             narrow = total_padded * rb if rb != pb else 0
             held = 2 * total_padded * pb + state + narrow
@@ -361,7 +361,7 @@ def _strategy_memory(
         moments = StepMoments(
             held + gathered * pb,
             held + max(shard - root // n, 0) * pb + buffers,  # the root's gradient shards come last
-            held + shard * pb + optimizer_temporaries(optimizer, shard, largest_shard, pb, cpu),
+            held + shard * pb + optimizer_temporaries(optimizer, shard, largest_shard, pb, cpu_exchange),
         )
         return MemoryBreakdown(shard * pb, shard * pb, state, activations, buffers), moments
     if strategy == "pipeline":
