@@ -34,7 +34,7 @@ def test_tiny_run_prints_floor_peers_ratios_and_goals(tiny_run):
     assert status == 0
     assert "tokens/s" in printed and "of_floor" in printed and "x loader" in printed and "anon_MiB" in printed
     rows = [line.split() for line in printed.splitlines() if line and not line.startswith("#")][1:]
-    variants = ["floor", "fastpar", "dataloader", "dataloader_w1"]
+    variants = ["floor", "fastpar", "fastpar_vocab", "dataloader", "dataloader_w1"]
     if token_windows.streaming_problem() is None:
         variants.append("streaming")
     assert {(row[0], row[1]) for row in rows} == {(corpus, v) for corpus in ("1MB", "2MB") for v in variants}
@@ -76,7 +76,7 @@ def _counting_corpus(path, windows: int):
     return path
 
 
-@pytest.mark.parametrize("variant", ["floor", "fastpar", "dataloader"])
+@pytest.mark.parametrize("variant", ["floor", "fastpar", "fastpar_vocab", "dataloader"])
 def test_every_variant_reads_each_window_once_per_epoch(tmp_path, variant):
     windows = 40
     path = _counting_corpus(tmp_path / "count.bin", windows)

@@ -3,12 +3,15 @@
 Every stream yields int64 ``(x, y)`` tensors of shape ``(batch, seq_len)`` from the windows of one ``.bin``
 file of uint16 tokens: ``seq_len + 1`` tokens starting every ``seq_len`` tokens, in a random order per
 epoch, without end (epoch after epoch). ``make_stream`` builds one by variant name: ``floor``, ``fastpar``,
-``dataloader`` / ``dataloader_wN`` and ``streaming`` (MosaicML Streaming, only where it imports).
+``fastpar_vocab``, ``dataloader`` / ``dataloader_wN`` and ``streaming`` (MosaicML Streaming, only where it
+imports).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,11 +74,11 @@ def _floor(path: Path, shape: WindowShape) -> Iterator[tuple[torch.Tensor, torch
     count = (len(tokens) - 1) // length
     rng = np.random.default_rng(shape.seed)
     while True:
-        starts = rng.permutation(count) * length
+        starts = (rng.permutation(count) * length).tolist()  # the epoch's window starts as ints, made once
         for first in range(0, count - batch + 1, batch):
             # each token read once as stored, widened once into each output: the fewest bytes moved
             rows = np.empty((batch, length + 1), dtype=tokens.dtype)  # (B, L + 1)
-            for row, start in enumerate(starts[first : first + batch].tolist()):
+            for row, start in enumerate(starts[first : first + batch]):
                 rows[row] = tokens[start : start + length + 1]
             yield torch.from_numpy(rows[:, :-1].astype(np.int64)), torch.from_numpy(rows[:, 1:].astype(np.int64))
 
@@ -85,11 +88,11 @@ def _endless(loader) -> Iterator:
         yield from loader
 
 
-def _fastpar(path: Path, shape: WindowShape) -> Iterator:
+def _fastpar(path: Path, shape: WindowShape, vocab_size: int | None) -> Iterator:
     from ...data import token_loader
 
     loader = token_loader(
-        path, seq_len=shape.seq_len, batch_size=shape.batch, dtype="uint16", vocab_size=shape.vocab, seed=shape.seed
+        path, seq_len=shape.seq_len, batch_size=shape.batch, dtype="uint16", vocab_size=vocab_size, seed=shape.seed
     )
     return _endless(loader)
 
@@ -107,17 +110,81 @@ def _dataloader(path: Path, shape: WindowShape, workers: int) -> Iterator:
     return _endless(loader)
 
 
+_STOOD_IN: list[str] = []  # the torchvision names stood in for while streaming was imported (streaming_note)
+
+
+def _import_streaming():
+    """MosaicML Streaming's module. Its package imports its vision datasets, which need torchvision; where torchvision
+    is missing or its wheel does not load beside this torch (a CUDA build's operators beside the CPU torch), the
+    two names that import reads are stood in for while it imports, and removed again: the benchmark measures only
+    ``StreamingDataset`` over bytes."""
+    import importlib.util
+    import sys
+
+    if "streaming" in sys.modules:
+        return sys.modules["streaming"]
+    if importlib.util.find_spec("streaming") is None:
+        raise ModuleNotFoundError("No module named 'streaming'")
+    try:
+        import streaming
+    except Exception as exc:
+        if not _torchvision_broken():
+            raise
+        saved = {n: m for n, m in sys.modules.items() if n == "torchvision" or n.startswith("torchvision.")}
+        for name in [n for n in sys.modules if n.startswith("streaming")] + list(saved):
+            del sys.modules[name]  # half-imported by the failed attempt
+        stand_in = _torchvision_stand_in()
+        sys.modules.update(stand_in)
+        try:
+            import streaming
+        except Exception:
+            raise exc from None
+        finally:
+            for name in stand_in:  # other code must not find a torchvision without a spec
+                del sys.modules[name]
+            sys.modules.update(saved)
+        _STOOD_IN[:] = sorted(stand_in)
+    return streaming
+
+
+def _torchvision_broken() -> bool:
+    try:
+        import torchvision  # noqa: F401
+    except Exception:
+        return True
+    return False
+
+
+def _torchvision_stand_in() -> dict[str, types.ModuleType]:
+    names = ("torchvision", "torchvision.datasets", "torchvision.transforms", "torchvision.transforms.functional")
+    root, datasets, transforms, functional = (types.ModuleType(name) for name in names)
+    datasets.VisionDataset = type("VisionDataset", (torch.utils.data.Dataset,), {})
+    functional.to_tensor = None  # streaming's image datasets only; never called here
+    root.datasets, root.transforms, transforms.functional = datasets, transforms, functional
+    return dict(zip(names, (root, datasets, transforms, functional), strict=True))
+
+
 def streaming_problem() -> str | None:
     """Why MosaicML Streaming cannot be measured here, or None when it imports."""
     try:
-        import streaming  # noqa: F401
-    except Exception as exc:  # not installed, or a dependency of it (torchvision) fails to load
+        _import_streaming()
+    except Exception as exc:  # not installed, or a dependency of it fails to load
         return f"{type(exc).__name__}: {exc}".splitlines()[0]
     return None
 
 
+def streaming_note() -> str | None:
+    """What the streaming row ran with, where torchvision had to be stood in for."""
+    if _STOOD_IN:
+        return (
+            "streaming: torchvision is missing or does not load beside this torch, so the two names streaming's vision module "
+            "imports were stood in for while it imported (not used: only StreamingDataset over bytes is measured)"
+        )
+    return None
+
+
 def write_mds(path: Path, out: Path, shape: WindowShape) -> Path:
-    from streaming import MDSWriter
+    MDSWriter = _import_streaming().MDSWriter
 
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     with MDSWriter(out=str(out), columns={"tokens": "bytes"}, compression=None) as writer:
@@ -132,7 +199,7 @@ def _collate_windows(samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _streaming(mds: Path, shape: WindowShape) -> Iterator:
-    from streaming import StreamingDataset
+    StreamingDataset = _import_streaming().StreamingDataset
 
     dataset = StreamingDataset(local=str(mds), shuffle=True, shuffle_seed=shape.seed, batch_size=shape.batch)
     loader = torch.utils.data.DataLoader(dataset, batch_size=shape.batch, collate_fn=_collate_windows, drop_last=True)
@@ -143,13 +210,74 @@ def make_stream(variant: str, path: Path, shape: WindowShape) -> Iterator[tuple[
     """The endless batch stream of ``variant`` over the corpus at ``path`` (an MDS folder for streaming)."""
     if variant == "floor":
         return _floor(path, shape)
-    if variant == "fastpar":
-        return _fastpar(path, shape)
+    if variant == "fastpar":  # as a raw nanoGPT .bin is read: no vocabulary to check against
+        return _fastpar(path, shape, None)
+    if variant == "fastpar_vocab":  # every batch's ids checked against vocab_size
+        return _fastpar(path, shape, shape.vocab)
     if variant == "streaming":
         return _streaming(path, shape)
     if variant.startswith("dataloader"):
         return _dataloader(path, shape, int(variant.removeprefix("dataloader").removeprefix("_w") or 0))
     raise ValueError(f"unknown variant {variant!r}")
+
+
+class ChildStream:
+    """A variant's stream in a spawned process of its own: for loaders with background threads (Streaming's
+    prefetch pool keeps working after a batch is taken, and in this process it would slow the next variant's
+    timed call). ``next()`` brings one batch back; ``take(n)`` takes ``n`` batches there and brings none."""
+
+    def __init__(self, variant: str, path: Path, shape: WindowShape):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_stream_child, args=(variant, path, shape, child), daemon=True)
+        self._proc.start()
+        child.close()
+        self.variant = variant
+
+    def _ask(self, count: int):
+        self._conn.send(count)
+        if not self._conn.poll(600):
+            raise WrongResultError(f"{self.variant}: its process gave no batches in 600 s")
+        try:
+            ok, value = self._conn.recv()
+        except EOFError:
+            raise WrongResultError(f"{self.variant}: its process ended (exit {self._proc.exitcode})") from None
+        if not ok:
+            raise WrongResultError(f"{self.variant}: {value}")
+        return value
+
+    def __iter__(self) -> ChildStream:
+        return self
+
+    def __next__(self):
+        return self._ask(0)
+
+    def take(self, count: int) -> None:
+        self._ask(count)
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            with contextlib.suppress(OSError):
+                self._conn.send(-1)
+            self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._conn.close()
+
+
+def _stream_child(variant: str, path: Path, shape: WindowShape, conn) -> None:
+    torch.set_num_threads(1)
+    try:
+        stream = make_stream(variant, path, shape)
+        while (count := conn.recv()) >= 0:
+            if count == 0:
+                conn.send((True, next(stream)))
+                continue
+            for _ in range(count):
+                next(stream)
+            conn.send((True, None))
+    except Exception as exc:  # brought back as the variant's failure
+        conn.send((False, f"{type(exc).__name__}: {exc}"))
 
 
 def anonymous_kib() -> int | None:

@@ -25,6 +25,8 @@ from .source import TokenDataError, TokenSource, open_token_source
 
 Batch = tuple[torch.Tensor, torch.Tensor] | dict[str, torch.Tensor]
 
+_CHUNK_BATCHES = 64  # batches whose window starts are computed at once (memory: 64 x batch_size ints)
+
 
 class TokenLoader:
     """Iterate for batches; ``len()`` is the batches per rank in a whole epoch. See :func:`token_loader`."""
@@ -46,6 +48,13 @@ class TokenLoader:
         self._arrays = [np.asarray(shard.tokens).view(np.ndarray) for shard in source.shards]
         self._row_dtype = np.result_type(*(shard.tokens.dtype for shard in source.shards))
         self._signed = np.issubdtype(self._row_dtype, np.signedinteger)
+        # each batch's ids checked against vocab_size unless nothing stored can reach it: the dtype's range is
+        # below it, or the data was written by `fastpar data prepare` with a vocabulary no larger
+        reachable = np.iinfo(self._row_dtype).max + 1
+        if source.vocab_size is not None:
+            reachable = min(reachable, source.vocab_size)
+        self._check_vocab = vocab_size is not None and vocab_size < reachable
+        self._move = None if self.device is None or self.device.type == "cpu" else self._pinned_copy
         self.epoch = 0
         self.consumed = 0  # global samples of this epoch already yielded (by all ranks together)
         self._resume_at: int | None = None  # set by load_state_dict: where the next pass starts
@@ -82,27 +91,58 @@ class TokenLoader:
     def __iter__(self) -> Iterator[Batch]:
         epoch, start = self.epoch, self._resume_at or 0
         self._resume_at = None
-        permutation = self.order.permutation(epoch)
+        order, span = self.order, self.seq_len + 1
+        count, size = order.num_batches(start), order.batch_size
+        # this rank's windows of the pass, (count, batch_size): a strided view of the permutation
+        mine = order.permutation(epoch)[start : start + count * order.global_batch]
+        mine = mine.reshape(count, order.world_size, size)[:, order.rank, :]
         self.consumed = start
-        for batch in range(self.order.num_batches(start)):
-            out = self._batch(self.order.rank_windows(permutation, start, batch))
-            self.consumed = start + (batch + 1) * self.order.global_batch
-            yield out
+        arrays, tokens, step = self._arrays, self._arrays[0], order.global_batch
+        # nothing to check, pack or move: the batch is the widened rows (the common case, kept inline)
+        plain = not (self._check_vocab or self._signed) and self.eot_token is None and self._move is None
+        for chunk in range(0, count, _CHUNK_BATCHES):
+            # where the next batches' windows start, located together: one numpy call per chunk, not per batch
+            windows = mine[chunk : chunk + _CHUNK_BATCHES].ravel()
+            if len(arrays) == 1:  # one shard (a nanoGPT .bin): no lookup
+                shards, firsts = None, (windows * self.seq_len).tolist()
+            else:
+                shard_of, first = self.table.locate(windows)
+                shards, firsts = shard_of.tolist(), first.tolist()
+            for offset in range(0, len(firsts), size):
+                # the windows as stored (uint16: a quarter of int64's bytes to check), widened once into x and y
+                rows = np.empty((size, span), dtype=self._row_dtype)  # (B, L + 1)
+                if shards is None:
+                    for row, t in enumerate(firsts[offset : offset + size]):
+                        rows[row] = tokens[t : t + span]  # pages in only this window
+                else:
+                    for row, (s, t) in enumerate(
+                        zip(shards[offset : offset + size], firsts[offset : offset + size], strict=True)
+                    ):
+                        rows[row] = arrays[s][t : t + span]
+                if plain:
+                    out = (
+                        torch.from_numpy(rows[:, :-1].astype(np.int64)),
+                        torch.from_numpy(rows[:, 1:].astype(np.int64)),
+                    )
+                else:
+                    out = self._batch(rows, shards[offset : offset + size] if shards is not None else None)
+                self.consumed += step
+                yield out
         self.epoch, self.consumed = epoch + 1, 0
 
-    def _batch(self, windows: np.ndarray) -> Batch:
-        span = self.seq_len + 1
-        # the windows as stored (uint16: a quarter of int64's bytes to check), widened once into x and y
-        rows = np.empty((len(windows), span), dtype=self._row_dtype)  # (B, L + 1)
-        if len(self._arrays) == 1:  # one shard (a nanoGPT .bin): no lookup
-            shard_of, tokens = np.zeros(len(windows), dtype=np.int64), self._arrays[0]
-            for row, t in enumerate((windows * self.seq_len).tolist()):
-                rows[row] = tokens[t : t + span]  # pages in only this window
-        else:
-            shard_of, first = self.table.locate(windows)
-            for row, (s, t) in enumerate(zip(shard_of.tolist(), first.tolist(), strict=True)):
-                rows[row] = self._arrays[s][t : t + span]
-        if self.vocab_size is not None and (top := int(rows.max())) >= self.vocab_size:
+    def _batch(self, rows: np.ndarray, shard_of: list[int] | None) -> Batch:
+        """The batch of the windows ``rows`` (from shards ``shard_of``; None: the one shard)."""
+        if self._check_vocab or self._signed:
+            self._check_ids(rows, shard_of if shard_of is not None else [0] * len(rows))
+        inputs, labels = rows[:, :-1].astype(np.int64), rows[:, 1:].astype(np.int64)
+        if self.eot_token is None:
+            return self._to_device(torch.from_numpy(inputs)), self._to_device(torch.from_numpy(labels))
+        docs = document_ids(inputs, self.eot_token)
+        named = {"input_ids": inputs, "labels": labels, "position_ids": position_ids(docs), "document_ids": docs}
+        return {name: self._to_device(torch.from_numpy(value)) for name, value in named.items()}
+
+    def _check_ids(self, rows: np.ndarray, shard_of: list[int]) -> None:
+        if self._check_vocab and (top := int(rows.max())) >= self.vocab_size:
             bad = int(np.argwhere(rows == top)[0][0])
             raise TokenDataError(
                 f"token id {top} in {self.source.shards[shard_of[bad]].name} is not below vocab_size "
@@ -114,16 +154,11 @@ class TokenLoader:
                 f"a negative token id in {self.source.shards[shard_of[int(np.argwhere(rows < 0)[0][0])]].name}: "
                 "token ids are 0 or more; check how the array was written"
             )
-        inputs, labels = rows[:, :-1].astype(np.int64), rows[:, 1:].astype(np.int64)
-        if self.eot_token is None:
-            return self._to_device(torch.from_numpy(inputs)), self._to_device(torch.from_numpy(labels))
-        docs = document_ids(inputs, self.eot_token)
-        named = {"input_ids": inputs, "labels": labels, "position_ids": position_ids(docs), "document_ids": docs}
-        return {name: self._to_device(torch.from_numpy(value)) for name, value in named.items()}
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device is None or self.device.type == "cpu":
-            return tensor
+        return tensor if self._move is None else self._move(tensor)
+
+    def _pinned_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def state_dict(self) -> dict[str, Any]:
@@ -204,7 +239,10 @@ def token_loader(
     ``eot_token``: the end-of-text id; given, each batch is a dict ``{"input_ids", "labels", "position_ids",
     "document_ids"}`` whose position ids restart after each end-of-text token; build the attention mask with
     :func:`document_mask`. ``vocab_size`` (default: the index's): a token id at or above it raises a
-    :class:`TokenDataError` at the first batch that holds one. Unreadable data (a file whose length is not
+    :class:`TokenDataError` at the first batch that holds one. Batches are checked only where the data could hold
+    such an id: not when the dtype cannot (``uint16`` and ``vocab_size >= 65536``) nor when ``fastpar data
+    prepare`` wrote it with a vocabulary no larger (its tokenizer's ids are below it); the check costs about a
+    tenth of the loader's time (``fastpar bench data --tokens``, row ``fastpar_vocab``). Unreadable data (a file whose length is not
     a whole number of tokens, a shard shorter than ``seq_len + 1``, a folder or glob with no shards) raises
     one when the loader is made.
     """
