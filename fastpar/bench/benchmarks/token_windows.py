@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import time
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -233,9 +234,11 @@ class ChildStream:
         self._proc.start()
         child.close()
         self.variant = variant
+        self._ask(None)  # the stream is made before the next one starts (Streaming names its shared memory by scanning)
 
-    def _ask(self, count: int):
-        self._conn.send(count)
+    def _ask(self, count: int | None):
+        if count is not None:
+            self._conn.send(count)
         if not self._conn.poll(600):
             raise WrongResultError(f"{self.variant}: its process gave no batches in 600 s")
         try:
@@ -255,21 +258,45 @@ class ChildStream:
     def take(self, count: int) -> None:
         self._ask(count)
 
+    def settle(self) -> None:
+        """Return once the process's threads have gone quiet (at most 10 s): called before every timed call, so
+        that work left running after this stream's call does not land in another variant's time."""
+        self._ask(_SETTLE)
+
     def close(self) -> None:
         if self._proc.is_alive():
             with contextlib.suppress(OSError):
-                self._conn.send(-1)
+                self._conn.send(_STOP)
             self._proc.join(30)
         if self._proc.is_alive():
             self._proc.kill()
         self._conn.close()
 
 
+_STOP, _SETTLE = -1, -2  # what ChildStream sends besides a batch count
+
+
+def _wait_until_quiet(limit_s: float = 10.0) -> None:
+    """Until this process's threads together use under 10% of a core over 50 ms."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = time.process_time()
+        time.sleep(0.05)
+        if time.process_time() - before < 0.005:
+            return
+
+
 def _stream_child(variant: str, path: Path, shape: WindowShape, conn) -> None:
     torch.set_num_threads(1)
     try:
         stream = make_stream(variant, path, shape)
-        while (count := conn.recv()) >= 0:
+        next(stream)  # Streaming's shared memory is set up at the first batch
+        conn.send((True, None))
+        while (count := conn.recv()) != _STOP:
+            if count == _SETTLE:
+                _wait_until_quiet()
+                conn.send((True, None))
+                continue
             if count == 0:
                 conn.send((True, next(stream)))
                 continue
