@@ -13,6 +13,7 @@ USER_PATH = [
     "guide/install.md",
     "guide/ddp.md",
     "guide/trainer.md",
+    "guide/language-models.md",
     "guide/integrations.md",
     "guide/data.md",
     "guide/checkpoints.md",
