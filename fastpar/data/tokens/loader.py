@@ -54,7 +54,7 @@ class TokenLoader:
         if source.vocab_size is not None:
             reachable = min(reachable, source.vocab_size)
         self._check_vocab = vocab_size is not None and vocab_size < reachable
-        self._move = None if self.device is None or self.device.type == "cpu" else self._pinned_copy
+        self._on_cpu = self.device is None or self.device.type == "cpu"
         self.epoch = 0
         self.consumed = 0  # global samples of this epoch already yielded (by all ranks together)
         self._resume_at: int | None = None  # set by load_state_dict: where the next pass starts
@@ -99,7 +99,7 @@ class TokenLoader:
         self.consumed = start
         arrays, tokens, step = self._arrays, self._arrays[0], order.global_batch
         # nothing to check, pack or move: the batch is the widened rows (the common case, kept inline)
-        plain = not (self._check_vocab or self._signed) and self.eot_token is None and self._move is None
+        plain = not (self._check_vocab or self._signed) and self.eot_token is None and self._on_cpu
         for chunk in range(0, count, _CHUNK_BATCHES):
             # where the next batches' windows start, located together: one numpy call per chunk, not per batch
             windows = mine[chunk : chunk + _CHUNK_BATCHES].ravel()
@@ -156,10 +156,7 @@ class TokenLoader:
             )
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self._move is None else self._move(tensor)
-
-    def _pinned_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor if self._on_cpu else tensor.pin_memory().to(self.device, non_blocking=True)
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor (epoch, global samples consumed) and the order it refers to."""
@@ -239,12 +236,12 @@ def token_loader(
     ``eot_token``: the end-of-text id; given, each batch is a dict ``{"input_ids", "labels", "position_ids",
     "document_ids"}`` whose position ids restart after each end-of-text token; build the attention mask with
     :func:`document_mask`. ``vocab_size`` (default: the index's): a token id at or above it raises a
-    :class:`TokenDataError` at the first batch that holds one. Batches are checked only where the data could hold
-    such an id: not when the dtype cannot (``uint16`` and ``vocab_size >= 65536``) nor when ``fastpar data
-    prepare`` wrote it with a vocabulary no larger (its tokenizer's ids are below it); the check costs about a
-    tenth of the loader's time (``fastpar bench data --tokens``, row ``fastpar_vocab``). Unreadable data (a file whose length is not
-    a whole number of tokens, a shard shorter than ``seq_len + 1``, a folder or glob with no shards) raises
-    one when the loader is made.
+    :class:`TokenDataError` at the first batch that holds one. Batches are checked only where the data could
+    hold such an id: not when the dtype cannot (``uint16`` and ``vocab_size >= 65536``) nor when ``fastpar data
+    prepare`` wrote it with a vocabulary no larger (its tokenizer's ids are below it); where it runs, the check
+    costs 12-18% of the loader's time (``fastpar bench data --tokens``, row ``fastpar_vocab``). Unreadable data
+    (a file whose length is not a whole number of tokens, a shard shorter than ``seq_len + 1``, a folder or glob
+    with no shards) raises one when the loader is made.
     """
     if seq_len < 1 or batch_size < 1:
         raise TokenDataError(f"seq_len and batch_size must be at least 1, got {seq_len} and {batch_size}")
