@@ -169,7 +169,8 @@ def run(ctx: BenchContext) -> BenchReport:
         if flags.memory_batches and anonymous_kib() is not None:
             for size in sizes:
                 for name in names:
-                    if name.startswith("dataloader_w") or name == "fastpar_vocab":  # workers: memory elsewhere
+                    # workers hold their memory elsewhere; fastpar_vocab holds fastpar's
+                    if name.startswith("dataloader_w") or name == "fastpar_vocab":
                         continue
                     memory[size, name] = measure_memory(name, sources[size, name], shape, flags.memory_batches)
         elif flags.memory_batches:
