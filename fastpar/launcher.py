@@ -41,12 +41,14 @@ from .host import under_torchrun
 from .rendezvous import (
     BOUND_RDZV_BACKEND,
     LOOPBACK,
+    RDZV_ROUND_ENV,
     address_towards,
     bound_store,
     interface_of,
     is_loopback,
     listen_address,
     register_bound_rendezvous,
+    restart_round,
 )
 
 BOUND_STORES_ENV = "FASTPAR_BOUND_STORES"
@@ -123,7 +125,7 @@ def join_process_group(
     # The elastic agent keeps one TCPStore for all restart rounds and workers connect without a prefix, so
     # a restarted group could read the dead workers' addresses (gloo: "connectFullMesh failed ...
     # Connection refused"). A per-round prefix keeps every round's keys apart.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = restart_round()  # the same on every node (a restart of one node restarts them all)
     agent_store = dist.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
     )
@@ -309,7 +311,7 @@ def launch_agent(
     quiet = logging.getLogger("torch.distributed.elastic")
     previous = quiet.level
     quiet.setLevel(logging.ERROR)
-    saved = {name: os.environ.get(name) for name in worker_env}
+    saved = {name: os.environ.get(name) for name in (*worker_env, RDZV_ROUND_ENV)}
     os.environ.update(worker_env)
     try:
         return elastic_launch(config, target)(*call_args)

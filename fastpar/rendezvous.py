@@ -16,7 +16,9 @@ from __future__ import annotations
 import datetime
 import errno
 import ipaddress
+import os
 import socket
+import sys
 import time
 
 import torch.distributed as dist
@@ -25,6 +27,9 @@ LOOPBACK = "127.0.0.1"
 RDZV_READ_TIMEOUT_S = 60.0  # torch's c10d rendezvous store default
 REACH_TIMEOUT_S = 60.0  # how long an agent waits for the rendezvous host to start listening
 BOUND_RDZV_BACKEND = "fastpar-bound"
+# Set in an agent's environment at each rendezvous (and so in its workers'): the round all nodes joined, 0 at the
+# start. A later round is a restart of the whole job, whichever node failed.
+RDZV_ROUND_ENV = "FASTPAR_RDZV_ROUND"
 _UNREACHABLE = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL, errno.EHOSTDOWN}
 
 
@@ -153,6 +158,8 @@ def bound_rendezvous_handler(params):
     host, port = listen_address(name), int(port)
     local_addr = params.local_addr or address_towards(name)
 
+    reported: list[str] = []  # the waiting nodes last reported
+
     class BoundRendezvousHandler(DynamicRendezvousHandler):
         # torch's private hook for the workers' store: were it renamed, that store would listen on every
         # interface again, which the socket-table tests of the launch report
@@ -161,6 +168,26 @@ def bound_rendezvous_handler(params):
 
         def get_backend(self) -> str:
             return BOUND_RDZV_BACKEND
+
+        def num_nodes_waiting(self) -> int:
+            waiting = super().num_nodes_waiting()
+            nodes = sorted({node.addr for node in self._state_holder.state.wait_list})
+            if waiting and nodes != reported:  # the agent stops this node's workers next: say which node asked
+                reported[:] = nodes
+                print(
+                    f"fastpar: node(s) {', '.join(nodes)} rejoined the job after a failure (rendezvous round "
+                    f"{self._state_holder.state.round}); stopping this node's workers to restart them all",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return waiting
+
+        def next_rendezvous(self):
+            info = super().next_rendezvous()
+            # The round every node joined: the workers this agent starts next inherit it (the same number on
+            # every node, unlike TORCHELASTIC_RESTART_COUNT, which counts only this node's own failures).
+            os.environ[RDZV_ROUND_ENV] = str(self._state_holder.state.round)
+            return info
 
     try:
         store = bound_store(host, RDZV_READ_TIMEOUT_S, port)
@@ -179,3 +206,9 @@ def register_bound_rendezvous() -> None:
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
     rendezvous_handler_registry.register(BOUND_RDZV_BACKEND, bound_rendezvous_handler)  # idempotent
+
+
+def restart_round() -> int:
+    """Which start of the workers this is: the rendezvous round under fastpar's agent (the same on every node),
+    else torchrun's TORCHELASTIC_RESTART_COUNT (this node's restarts); 0 for the first."""
+    return int(os.environ.get(RDZV_ROUND_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)

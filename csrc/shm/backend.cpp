@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "shm/collectives.h"
+#include "shm/dense.h"
 #include "shm/reduce.h"
 #include "text.h"
 
@@ -15,84 +16,6 @@ namespace fastpar::shm {
 namespace {
 
 using c10d::OpType;
-
-bool sum_or_avg(const c10d::ReduceOp& op) { return op.op_ == c10d::ReduceOp::SUM || op.op_ == c10d::ReduceOp::AVG; }
-
-bool on_cpu(const at::Tensor& t) { return t.device().is_cpu() && t.layout() == at::kStrided; }
-
-at::ScalarType real_dtype(const at::Tensor& t) {
-  return t.is_complex() ? c10::toRealValueType(t.scalar_type()) : t.scalar_type();
-}
-
-bool reducible_tensor(const at::Tensor& t) { return on_cpu(t) && reducible(real_dtype(t)); }
-
-bool same_dtype(const at::Tensor& a, const at::Tensor& b) { return a.scalar_type() == b.scalar_type(); }
-
-// Which order a reduction sums a tensor's elements in. gloo reduces a CPU tensor's memory as it lies (numel elements
-// from its data pointer), so a dense tensor that is not contiguous (a transposed weight) is summed in storage order,
-// and at three ranks or more the order decides the last bits. A tensor with gaps (a strided slice) gloo cannot
-// reduce at all; it gets a contiguous copy, summed in logical order.
-enum class Order { kLogical, kStorage };
-
-// A tensor the kernels work on, and the way its values get back into the caller's tensor. Complex tensors are
-// viewed as real, as gloo does (so sums follow the same order). Detached (same storage and version counter): a
-// collective writes into the tensor's memory outside autograd, as gloo does, so a non-contiguous leaf that requires
-// grad (a transposed nn.Parameter) must not fail the copy back as an in-place autograd operation.
-struct Dense {
-  at::Tensor user;
-  // `user` itself when contiguous; with Order::kStorage and a dense `user`, a 1-D view of its memory in storage
-  // order; else a contiguous copy taken at call time.
-  at::Tensor data;
-  bool copied = false;
-  bool reordered = false;  // data holds the elements in storage order, not in logical order
-
-  explicit Dense(const at::Tensor& t, Order order = Order::kLogical)
-      : user(t.is_complex() ? at::view_as_real(t.detach()) : t.detach()) {
-    if (order == Order::kStorage && !user.is_contiguous() && user.is_non_overlapping_and_dense()) {
-      data = user.as_strided({user.numel()}, {1});  // storage_offset is the lowest address: strides are positive
-      reordered = true;
-    } else {
-      data = user.contiguous();
-      copied = !data.is_same(user);
-    }
-  }
-  char* ptr() const { return static_cast<char*>(data.data_ptr()); }
-  int64_t numel() const { return data.numel(); }
-  int64_t bytes() const { return data.numel() * static_cast<int64_t>(data.element_size()); }
-  int32_t dtype() const { return static_cast<int32_t>(data.scalar_type()); }
-  void write_back() const {
-    if (copied) user.copy_(data);
-  }
-};
-
-// Pairs (big[i], small[i]) of CPU tensors of one dtype, big holding `world` times small's elements: the shape of
-// all_gather_into_tensor (output, input) and of reduce_scatter_tensor (input, output).
-bool world_pairs(const std::vector<at::Tensor>& big, const std::vector<at::Tensor>& small, int world) {
-  if (big.empty() || big.size() != small.size()) return false;
-  for (size_t i = 0; i < big.size(); ++i) {
-    if (!on_cpu(big[i]) || !on_cpu(small[i]) || !same_dtype(big[i], small[i]) ||
-        big[i].numel() != small[i].numel() * world) {
-      return false;
-    }
-  }
-  return true;
-}
-
-std::vector<Dense> dense_all(const std::vector<at::Tensor>& tensors, Order order = Order::kLogical) {
-  std::vector<Dense> out;
-  out.reserve(tensors.size());
-  for (const auto& t : tensors) out.emplace_back(t, order);
-  return out;
-}
-
-Reduction reduction_of(const Dense& t, const c10d::ReduceOp& op) {
-  return {t.data.scalar_type(), op.op_ == c10d::ReduceOp::AVG};
-}
-
-std::string message_of(const std::exception& e) {
-  if (const auto* error = dynamic_cast<const c10::Error*>(&e)) return error->what_without_backtrace();
-  return e.what();
-}
 
 // The gather side of _allgather_base / all_gather_into_tensor: rank q's share of `out`.
 void gather_into(Group& g, const Dense& in, const Dense& out, std::chrono::milliseconds timeout) {
@@ -159,6 +82,7 @@ std::string ShmBackend::attach(const std::string& name, uint64_t token) {
 void ShmBackend::detach(const std::string& reason) {
   if (executor_) executor_->shutdown();
   executor_.reset();
+  layout_.reset();
   shared_.reset();  // buffers already made stay mapped as long as their tensors; their all-reduces go to gloo
   reason_ = reason;
 }
@@ -195,11 +119,13 @@ c10d::ErrorType ShmBackend::getError() {
 
 void ShmBackend::abort() {
   if (executor_) executor_->abort("rank " + std::to_string(rank_) + " aborted the process group");
+  if (layout_ && layout_->leaders) layout_->leaders->abort();
   gloo_->abort();
 }
 
 void ShmBackend::shutdown() {
   if (executor_) executor_->shutdown();
+  if (layout_ && layout_->leaders) layout_->leaders->shutdown();
   gloo_->shutdown();
 }
 
@@ -219,6 +145,9 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce(std::vector<at::Tensor>& te
                                                      const c10d::AllreduceOptions& opts) {
   if (!executor_ || tensors.size() != 1 || !reducible_tensor(tensors[0]) || !sum_or_avg(opts.reduceOp)) {
     return gloo_->allreduce(tensors, opts);
+  }
+  if (across_nodes()) {
+    return nodes_all_reduce(tensors, opts.reduceOp, op_timeout(opts.timeout), OpType::ALLREDUCE, "fastpar:all_reduce");
   }
   const auto timeout = op_timeout(opts.timeout);
   const at::Tensor& user = tensors[0];
@@ -249,6 +178,10 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(std::vector<at::T
   bool handled = executor_ && !tensors.empty() && sum_or_avg(opts.reduceOp);
   for (const auto& t : tensors) handled = handled && reducible_tensor(t) && same_dtype(t, tensors[0]);
   if (!handled) return gloo_->allreduce_coalesced(tensors, opts);
+  if (across_nodes()) {
+    return nodes_all_reduce(tensors, opts.reduceOp, op_timeout(opts.timeout), OpType::ALLREDUCE_COALESCED,
+                            "fastpar:all_reduce_coalesced");
+  }
   const Reduction reduction{real_dtype(tensors[0]), opts.reduceOp.op_ == c10d::ReduceOp::AVG};
   auto work = list_work(tensors, reduction, op_timeout(opts.timeout), OpType::ALLREDUCE_COALESCED,
                         "fastpar:all_reduce_coalesced", tensors);
@@ -284,7 +217,7 @@ c10::intrusive_ptr<ShmWork> ShmBackend::list_work(const std::vector<at::Tensor>&
 }
 
 void ShmBackend::all_reduce_lists(const std::vector<std::vector<at::Tensor>>& lists) {
-  TORCH_CHECK(executor_,
+  TORCH_CHECK(flat(),
               text("fastpar shm backend: all_reduce_lists needs the shared-memory path, which is off: ", reason_));
   for (size_t k = 0; k < lists.size(); ++k) {
     const auto& list = lists[k];
@@ -311,6 +244,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::broadcast(std::vector<at::Tensor>& te
       opts.rootRank >= size_) {
     return gloo_->broadcast(tensors, opts);
   }
+  if (across_nodes()) return nodes_broadcast(tensors, static_cast<int>(opts.rootRank), op_timeout(opts.timeout));
   const Dense t(tensors[0]);
   const int root = static_cast<int>(opts.rootRank);
   const auto timeout = op_timeout(opts.timeout);
@@ -323,7 +257,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::broadcast(std::vector<at::Tensor>& te
 c10::intrusive_ptr<c10d::Work> ShmBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                                      std::vector<at::Tensor>& inputs,
                                                      const c10d::AllgatherOptions& opts) {
-  bool handled = executor_ && inputs.size() == 1 && outputs.size() == 1 &&
+  bool handled = flat() && inputs.size() == 1 && outputs.size() == 1 &&
                  outputs[0].size() == static_cast<size_t>(size_) && on_cpu(inputs[0]);
   for (size_t q = 0; handled && q < outputs[0].size(); ++q) {
     const auto& out = outputs[0][q];
@@ -351,10 +285,11 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::_allgather_base(at::Tensor& output, a
 c10::intrusive_ptr<c10d::Work> ShmBackend::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                                            std::vector<at::Tensor>& inputs,
                                                                            const c10d::AllgatherOptions& opts) {
-  if (!executor_ || !world_pairs(outputs, inputs, size_)) {
+  if (!executor_ || !world_pairs(outputs, inputs, size_) || (across_nodes() && !layout_->uniform)) {
     if (outputs.size() == 1 && inputs.size() == 1) return gloo_->_allgather_base(outputs[0], inputs[0], opts);
     return gloo_->allgather_into_tensor_coalesced(outputs, inputs, opts);
   }
+  if (across_nodes()) return nodes_all_gather(outputs, inputs, op_timeout(opts.timeout));
   const std::vector<Dense> ins = dense_all(inputs);
   const std::vector<Dense> outs = dense_all(outputs);
   const auto timeout = op_timeout(opts.timeout);
@@ -366,7 +301,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allgather_into_tensor_coalesced(std::
 c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter(std::vector<at::Tensor>& outputs,
                                                           std::vector<std::vector<at::Tensor>>& inputs,
                                                           const c10d::ReduceScatterOptions& opts) {
-  bool handled = executor_ && outputs.size() == 1 && inputs.size() == 1 &&
+  bool handled = flat() && outputs.size() == 1 && inputs.size() == 1 &&
                  inputs[0].size() == static_cast<size_t>(size_) && reducible_tensor(outputs[0]) &&
                  sum_or_avg(opts.reduceOp);
   for (size_t q = 0; handled && q < inputs[0].size(); ++q) {
@@ -413,6 +348,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_tensor_coalesced(std::
     if (outputs.size() == 1 && inputs.size() == 1) return gloo_->_reduce_scatter_base(outputs[0], inputs[0], opts);
     return gloo_->reduce_scatter_tensor_coalesced(outputs, inputs, opts);
   }
+  if (across_nodes()) return nodes_reduce_scatter(outputs, inputs, opts.reduceOp, op_timeout(opts.timeout));
   const std::vector<Dense> ins = dense_all(inputs, Order::kStorage);
   const std::vector<Dense> outs = dense_all(outputs);
   const c10d::ReduceOp op = opts.reduceOp;
@@ -427,6 +363,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_tensor_coalesced(std::
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::barrier(const c10d::BarrierOptions& opts) {
   if (!executor_) return gloo_->barrier(opts);
+  if (across_nodes()) return nodes_barrier(op_timeout(opts.timeout));
   const auto timeout = op_timeout(opts.timeout);
   return enqueue(OpType::BARRIER, "fastpar:barrier", {}, [timeout](Group& g) { shm::barrier(g, timeout); });
 }

@@ -1,6 +1,8 @@
 // fastpar's torch.distributed backend ("fastpar"): all-reduce, reduce-scatter, all-gather, broadcast and barrier
-// between ranks of one host go through POSIX shared memory (shm_collectives); everything else, tensors it does not
-// handle (non-CPU, sparse, unsupported dtypes or reduce ops) and groups spanning hosts go to a gloo backend it owns.
+// between ranks of one host go through POSIX shared memory (shm_collectives); on a group spanning hosts ("nodes")
+// the same five run hierarchically (nodes.cpp): shared memory within each node, gloo among one leader per node.
+// Everything else, and tensors it does not handle (non-CPU, sparse, unsupported dtypes or reduce ops), goes to a
+// gloo backend over the whole group that it owns.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -22,6 +24,21 @@ class module_;
 
 namespace fastpar::shm {
 
+// Where the ranks of a group that spans nodes are: nodes are numbered by their lowest rank, which is the node's
+// leader; the leaders run a gloo backend of their own (rank = node number), absent on the other ranks.
+struct NodeLayout {
+  NodeLayout(const std::vector<int>& node_of_rank, int rank, c10::intrusive_ptr<c10d::Backend> leaders_backend);
+  std::vector<int> node_of;  // rank -> node
+  std::vector<int> local_of;  // rank -> its place among its node's ranks (ascending rank)
+  std::vector<std::vector<int>> members;  // node -> its ranks, ascending
+  int node;  // this rank's
+  c10::intrusive_ptr<c10d::Backend> leaders;  // null off the leaders
+  bool uniform;  // every node has as many ranks (all-gather among leaders needs equal shares)
+  bool blocked;  // rank r is on node r / ranks-per-node: the nodes' blocks lie in rank order
+  int nodes() const { return static_cast<int>(members.size()); }
+  int local_size() const { return static_cast<int>(members[node].size()); }
+};
+
 class ShmBackend : public c10d::Backend {
  public:
   ShmBackend(int rank, int size, c10::intrusive_ptr<c10d::Backend> gloo, std::chrono::milliseconds timeout);
@@ -29,9 +46,15 @@ class ShmBackend : public c10d::Backend {
 
   // Maps the group's segment and joins it; returns "" or why it could not (then everything goes to gloo).
   std::string attach(const std::string& name, uint64_t token);
+  // The same on a group spanning nodes: maps this node's segment (its ranks only) and runs the five collectives
+  // hierarchically. `node_of` gives every rank's node; `leaders` is the leaders' gloo backend (null off them).
+  std::string attach_nodes(const std::string& name, uint64_t token, const std::vector<int>& node_of,
+                           c10::intrusive_ptr<c10d::Backend> leaders);
   // Leaves the segment: from now on everything goes to gloo (when not every rank could attach).
   void detach(const std::string& reason);
-  bool shm_active() const { return executor_ != nullptr; }
+  // On one host's shared memory (then all_reduce_lists and shared buffers work too).
+  bool shm_active() const { return executor_ != nullptr && !layout_; }
+  int nodes() const { return executor_ && layout_ ? layout_->nodes() : 0; }  // 0: not across nodes
   const std::string& fallback_reason() const { return reason_; }
   c10::intrusive_ptr<c10d::Backend> gloo() const { return gloo_; }
   // The wait and thread policy fastpar/comm/threads.py chooses: how long waits spin before they sleep, how many
@@ -104,6 +127,21 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(c10d::OpType type, const char* title, std::vector<at::Tensor> outputs,
                                          ShmWork::Body body);
   std::chrono::milliseconds op_timeout(std::chrono::milliseconds requested) const;
+  bool flat() const { return executor_ && !layout_; }  // the one-host path
+  bool across_nodes() const { return executor_ && layout_; }
+  // The across-nodes forms (nodes.cpp), for the tensors the one-host path takes.
+  c10::intrusive_ptr<c10d::Work> nodes_all_reduce(const std::vector<at::Tensor>& tensors, const c10d::ReduceOp& op,
+                                                  std::chrono::milliseconds timeout, c10d::OpType type,
+                                                  const char* title);
+  c10::intrusive_ptr<c10d::Work> nodes_reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                      const std::vector<at::Tensor>& inputs, const c10d::ReduceOp& op,
+                                                      std::chrono::milliseconds timeout);
+  c10::intrusive_ptr<c10d::Work> nodes_all_gather(std::vector<at::Tensor>& outputs,
+                                                  const std::vector<at::Tensor>& inputs,
+                                                  std::chrono::milliseconds timeout);
+  c10::intrusive_ptr<c10d::Work> nodes_broadcast(std::vector<at::Tensor>& tensors, int root,
+                                                 std::chrono::milliseconds timeout);
+  c10::intrusive_ptr<c10d::Work> nodes_barrier(std::chrono::milliseconds timeout);
   c10::intrusive_ptr<ShmWork> list_work(const std::vector<at::Tensor>& tensors, Reduction reduction,
                                         std::chrono::milliseconds timeout, c10d::OpType type, const char* title,
                                         std::vector<at::Tensor> outputs);
@@ -111,7 +149,8 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> gloo_;
   c10::intrusive_ptr<Options> options_;
   std::shared_ptr<Executor> executor_;  // null: everything goes to gloo
-  std::unique_ptr<SharedBuffers> shared_;  // with the executor
+  std::unique_ptr<SharedBuffers> shared_;  // with the executor, on one host
+  std::shared_ptr<const NodeLayout> layout_;  // with the executor, across nodes (bodies of queued work hold it)
   std::string reason_;
   std::atomic<uint64_t> seq_{0};  // collectives issued (DDP and the profiler read it)
 };

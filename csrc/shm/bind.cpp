@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <string>
 #include <vector>
 
 #include "shm/backend.h"
@@ -57,6 +58,19 @@ void bind(pybind11::module_& m) {
       .def("attach", &ShmBackend::attach, py::arg("name"), py::arg("token"),
            py::call_guard<py::gil_scoped_release>(),
            "Map the group's segment and join it; returns '' or why not (then everything goes to gloo)")
+      .def(
+          "attach_nodes",
+          [](ShmBackend& self, const std::string& name, uint64_t token, const std::vector<int>& node_of,
+             const py::object& leaders) {
+            c10::intrusive_ptr<c10d::Backend> leaders_backend;
+            if (!leaders.is_none()) leaders_backend = leaders.cast<c10::intrusive_ptr<c10d::Backend>>();
+            py::gil_scoped_release no_gil;
+            return self.attach_nodes(name, token, node_of, std::move(leaders_backend));
+          },
+          py::arg("name"), py::arg("token"), py::arg("node_of"), py::arg("leaders"),
+          "On a group spanning nodes: map this node's segment (node_of: every rank's node, numbered by lowest rank; "
+          "leaders: the node leaders' gloo backend, None off them); returns '' or why not")
+      .def_property_readonly("nodes", &ShmBackend::nodes)
       .def("detach", &ShmBackend::detach, py::arg("reason"), py::call_guard<py::gil_scoped_release>(),
            "Leave the segment: everything goes to gloo from now on")
       .def_property_readonly("shm_active", &ShmBackend::shm_active)
@@ -70,9 +84,11 @@ void bind(pybind11::module_& m) {
       [](const c10::intrusive_ptr<c10d::Backend>& backend) -> py::object {
         const auto* shm = dynamic_cast<const ShmBackend*>(backend.get());
         if (shm == nullptr) return py::none();
-        return py::make_tuple(shm->shm_active(), shm->fallback_reason());
+        return py::make_tuple(shm->shm_active(), shm->fallback_reason(), shm->nodes());
       },
-      py::arg("backend"), "(shm active, why not) of a 'fastpar' backend; None for any other backend");
+      py::arg("backend"),
+      "(on one host's shared memory, why not, nodes the group runs across hierarchically or 0) of a 'fastpar' "
+      "backend; None for any other backend");
   m.def(
       "shm_thread_policy",
       [](const c10::intrusive_ptr<c10d::Backend>& backend) -> py::object {

@@ -56,6 +56,7 @@ BENCHMARKS = {
     "zero": "fastpar.bench.benchmarks.zero",
     "shard": "fastpar.bench.benchmarks.shard",
     "data": "fastpar.bench.benchmarks.data",
+    "nodes": "fastpar.bench.benchmarks.nodes",
     "calibrate": "fastpar.bench.costmodel_cmds.calibrate",
     "simulate": "fastpar.bench.costmodel_cmds.simulate",
     "all": "fastpar.bench.report",

@@ -1,12 +1,13 @@
 """``fastpar.comm``: fastpar's torch.distributed backend ``"fastpar"``.
 
 All-reduce, reduce-scatter, all-gather, broadcast and barrier between ranks on one host run through POSIX
-shared memory with fastpar's C++ reduction kernels, with sums bit-identical to gloo's; everything else, and any
-group that spans hosts, runs on gloo. ``import fastpar`` registers the name::
+shared memory with fastpar's C++ reduction kernels, with sums bit-identical to gloo's; on a group that spans hosts
+they run hierarchically (shared memory within each host, gloo among one leader per host, so each host sends its
+data once); everything else runs on gloo. ``import fastpar`` registers the name::
 
     import fastpar, torch.distributed as dist
     dist.init_process_group("fastpar")            # or "cpu:fastpar,cuda:nccl"
-    fastpar.comm.shm_status()                     # {'backend': 'fastpar', 'shm': True, 'reason': ''}
+    fastpar.comm.shm_status()                     # {'backend': 'fastpar', 'shm': True, 'reason': '', 'nodes': 1}
 """
 
 from .backend import (

@@ -1,24 +1,35 @@
-"""The "fastpar" torch.distributed backend: creation, rendezvous of the shared-memory segment, and status.
+"""The "fastpar" torch.distributed backend: creation, rendezvous of the shared-memory segments, and status.
 
 ``torch.distributed`` calls :func:`_create_backend` for every group that uses the backend. It builds a gloo
-backend (for everything the shared-memory path does not do, and for groups that span hosts) and fastpar's C++
-``ShmBackend`` around it, then the ranks agree through the group's store whether they share one /dev/shm. torch
-hands a group re-created after ``destroy_process_group()`` the same store prefix, with the last instance's keys
-still in it, so every key lives under the instance's generation: each rank counts itself in on one store counter,
-and since a rank leaves the rendezvous only after all ranks counted themselves in, instance g is counts
-g * size + 1 .. (g + 1) * size on every rank.
+backend (for everything the shared-memory path does not do) and fastpar's C++ ``ShmBackend`` around it, then the
+ranks agree through the group's store where they are. torch hands a group re-created after
+``destroy_process_group()`` the same store prefix, with the last instance's keys still in it, so every key lives
+under the instance's generation: each rank counts itself in on one store counter, and since a rank leaves the
+rendezvous only after all ranks counted themselves in, instance g is counts g * size + 1 .. (g + 1) * size on every
+rank.
 
-1. every rank publishes a host key (hostname, boot id, user, the /dev/shm mount);
-2. rank 0 checks they are all equal, removes segments crashed jobs left, creates the segment (0600, pages
-   reserved) and publishes its name and a random token;
-3. every rank maps it and checks the token (same memory, not just the same name), and reports;
-4. rank 0 unlinks the name once all reported, or as soon as the rendezvous fails (a rank died in it): no name
+1. every rank publishes a host key (hostname, boot id, user, the /dev/shm mount) and reads everyone's: ranks with
+   the same key are one node; nodes are numbered by their lowest rank, the node's leader;
+2. rank 0 decides whether the group can use shared memory (:func:`_why_not`) and publishes the decision;
+3. each node's leader removes segments crashed jobs left, creates its node's segment (0600, pages reserved, one
+   slot per rank of the node) and publishes its name and a random token; on a group of several nodes the leaders
+   also build a gloo backend among themselves (rank = node number);
+4. every rank maps its node's segment and checks the token (same memory, not just the same name), and reports;
+5. each leader unlinks its name once all reported, or as soon as the rendezvous fails (a rank died in it): no name
    is left in /dev/shm. If any rank could not attach, every rank falls back to gloo (the same decision everywhere,
    from the same reports), and the reason is kept: :func:`shm_status`.
+
+On one node the collectives run in shared memory with gloo's summation order. Across nodes (several ranks on at
+least one node) all-reduce, reduce-scatter, all-gather, broadcast and barrier run hierarchically (csrc/shm/nodes.cpp):
+within each node in shared memory, among the node leaders on gloo, then within each node again, so each node sends
+its data across the network once rather than once per rank. An all-reduce then sums each node's ranks first (by
+ascending rank), then the nodes' sums in gloo's order among the leaders; every rank gets the same bits, but not
+gloo's bits over the whole group.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import logging
@@ -90,19 +101,26 @@ def _host_key() -> str:
 
 
 def _why_not(host_keys: list[str]) -> str:
-    """'' when the ranks can share memory; else why not."""
+    """'' when the ranks can use shared memory (on one node, or hierarchically across nodes); else why not."""
     if os.environ.get("FASTPAR_SHM", "1") == "0":
         return "disabled by FASTPAR_SHM=0"
     if not is_available():
         return "the compiled extension or /dev/shm is not available"
-    if len(host_keys) > MAX_RANKS:
-        return f"{len(host_keys)} ranks is above the {MAX_RANKS} the shared-memory path serves"
-    hosts = sorted(set(host_keys))
-    if len(hosts) > 1:
-        return f"the ranks span {len(hosts)} hosts (or /dev/shm mounts), so collectives go through gloo"
-    if hosts[0].startswith("no-shm:"):
+    if any(key.startswith("no-shm:") for key in host_keys):
         return "no /dev/shm on this machine"
+    per_node = collections.Counter(host_keys)
+    most = max(per_node.values())
+    if most > MAX_RANKS:
+        return f"{most} ranks on one host is above the {MAX_RANKS} the shared-memory path serves"
+    if len(per_node) > 1 and most == 1:
+        return f"each of the {len(per_node)} ranks is on a host of its own, so collectives go through gloo"
     return ""
+
+
+def _node_layout(host_keys: list[str]) -> list[int]:
+    """Every rank's node: ranks with one host key share a node, numbered by their lowest rank."""
+    numbers: dict[str, int] = {}
+    return [numbers.setdefault(key, len(numbers)) for key in host_keys]
 
 
 def _generation(store, size: int) -> int:
@@ -123,36 +141,56 @@ def _gather(store, key: str, ranks: range, me: int, what: str) -> list[str]:
         ) from exc
 
 
-def _rendezvous(backend, ext, store, key: str, rank: int, size: int, group: str) -> str:
-    """Steps 1-4 of the module docstring, under this instance's ``key``. Returns '' when every rank attached, else
-    the shared reason."""
+def _rendezvous(backend, ext, store, key: str, rank: int, size: int, group: str, timeout) -> tuple[str, int]:
+    """Steps 1-5 of the module docstring, under this instance's ``key``. Returns ('' when every rank attached, else
+    the shared reason; how many ranks share this rank's node)."""
+    import torch.distributed as dist
+
     store.set(f"{key}host/{rank}", _host_key())
-    plan = {"name": ""}
+    hosts = _gather(store, f"{key}host", range(size), rank, "publish its host")
+    node_of = _node_layout(hosts)
+    node, nodes, local = node_of[rank], max(node_of) + 1, node_of.count(node_of[rank])
+    leader = node_of.index(node)
+    if rank == 0:  # one decision, from rank 0's environment
+        store.set(f"{key}decision/0", _why_not(hosts))
+    reason = _gather(store, f"{key}decision", range(1), rank, "decide whether to use shared memory")[0]
+    plan = {"name": "", "token": 0, "reason": reason}
     try:
-        if rank == 0:
-            hosts = _gather(store, f"{key}host", range(size), rank, "publish its host")
-            plan = {"name": "", "token": 0, "reason": _why_not(hosts)}
-            if not plan["reason"]:
+        if rank == leader:
+            if not reason:
                 sweep_stale_segments()
                 token = secrets.randbits(63)
                 try:
-                    name = create_segment(lambda name: ext.shm_create(name, size, *staging(), token), group)
+                    name = create_segment(lambda name: ext.shm_create(name, local, *staging(), token), group)
                     plan["name"], plan["token"] = name, token
                 except RuntimeError as exc:
-                    plan["name"], plan["reason"] = "", f"cannot create the shared-memory segment: {exc}"
-            store.set(f"{key}plan/0", json.dumps(plan))
+                    plan["reason"] = f"node {node}: cannot create the shared-memory segment: {exc}"
+            store.set(f"{key}plan/{leader}", json.dumps(plan))
         else:
-            plan = json.loads(_gather(store, f"{key}plan", range(1), rank, "create the shared memory")[0])
-        outcome = plan["reason"] or backend.attach(plan["name"], plan["token"])
+            plan = json.loads(
+                _gather(store, f"{key}plan", range(leader, leader + 1), rank, "create the shared memory")[0]
+            )
+        outcome = plan["reason"]
+        if not outcome and nodes == 1:
+            outcome = backend.attach(plan["name"], plan["token"])
+        elif not outcome:
+            leaders = None
+            if rank == leader:  # the leaders' own gloo group: only they take part in its rendezvous
+                leaders = dist.ProcessGroupGloo(dist.PrefixStore(f"{key}leaders/", store), node, nodes, timeout)
+            outcome = backend.attach_nodes(plan["name"], plan["token"], node_of, leaders)
         store.set(f"{key}attached/{rank}", outcome)
         outcomes = _gather(store, f"{key}attached", range(size), rank, "report whether it mapped the shared memory")
     finally:
-        if rank == 0 and plan["name"]:
-            ext.shm_unlink(plan["name"])  # everyone mapped it, gave up, or died: no name left to leak
-    reason = plan["reason"] or "; ".join(f"rank {r}: {text}" for r, text in enumerate(outcomes) if text)
+        if rank == leader and plan["name"]:
+            ext.shm_unlink(plan["name"])  # its node mapped it, gave up, or died: no name left to leak
+    failed = [text for text in outcomes if text]
+    if len(failed) == size and len(set(failed)) == 1:  # rank 0's decision, or one cause everywhere
+        reason = failed[0]
+    else:
+        reason = "; ".join(f"rank {r}: {text}" for r, text in enumerate(outcomes) if text)
     if reason:
         backend.detach(reason)  # the same decision on every rank, from the same reports
-    return reason
+    return reason, local
 
 
 def _create_backend(opts, backend_options=None):
@@ -174,12 +212,12 @@ def _create_backend(opts, backend_options=None):
         )
         return gloo
     backend = ext.ShmBackend(rank, size, gloo, timeout)
-    reason = _rendezvous(backend, ext, store, f"{_KEY}{generation}/", rank, size, str(opts.group_id))
-    if not reason and hasattr(backend, "set_thread_policy"):  # every rank is on this host: they share its cores
-        policy = threads.choose(local_ranks=size)
+    reason, local = _rendezvous(backend, ext, store, f"{_KEY}{generation}/", rank, size, str(opts.group_id), timeout)
+    if not reason and hasattr(backend, "set_thread_policy"):  # the node's ranks share its cores
+        policy = threads.choose(local_ranks=local)
         backend.set_thread_policy(policy.spin_us, policy.summation_threads)
     if reason and rank == 0:
-        expected = "span" in reason or "FASTPAR_SHM=0" in reason
+        expected = "host of its own" in reason or "FASTPAR_SHM=0" in reason
         (_log.info if expected else _log.warning)(
             "fastpar backend, group %s: gloo for all collectives: %s", opts.group_id, reason
         )
@@ -251,7 +289,9 @@ def thread_policy(group=None) -> dict | None:
 
 def shm_status(group=None) -> dict:
     """How the "fastpar" backend of ``group`` (default: the default group) moves CPU tensors:
-    ``{"backend": name, "shm": bool, "reason": why not shared memory ('' when it is)}``."""
+    ``{"backend": name, "shm": bool, "reason": why not shared memory ('' when it is), "nodes": n}``; ``nodes`` is
+    the number of nodes the group spans when its collectives run hierarchically (shared memory within each node,
+    gloo between), 1 on one node's shared memory, 0 when everything goes to gloo."""
     import torch.distributed as dist
 
     group = group or dist.group.WORLD
@@ -259,13 +299,18 @@ def shm_status(group=None) -> dict:
     try:
         backend = group._get_backend(torch.device("cpu"))
     except RuntimeError as exc:
-        return {"backend": name, "shm": False, "reason": str(exc)}
+        return {"backend": name, "shm": False, "reason": str(exc), "nodes": 0}
     ext = loader.extension()
     state = ext.shm_backend_state(backend) if ext is not None and hasattr(ext, "shm_backend_state") else None
     if state is None:
-        return {"backend": name, "shm": False, "reason": f"{type(backend).__name__} is not fastpar's backend"}
-    active, reason = state
-    return {"backend": name, "shm": bool(active), "reason": reason}
+        return {
+            "backend": name,
+            "shm": False,
+            "reason": f"{type(backend).__name__} is not fastpar's backend",
+            "nodes": 0,
+        }
+    one_host, reason, nodes = state
+    return {"backend": name, "shm": bool(one_host or nodes), "reason": reason, "nodes": nodes or int(bool(one_host))}
 
 
 # Last, once every name above exists: ``import fastpar.comm`` before torch imports torch from this module, and

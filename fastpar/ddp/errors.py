@@ -69,7 +69,10 @@ class StuckBucketDiagnoser:
     def diagnose(
         self, step: int, bucket_index: int, names: Sequence[str], grace_s: float, cause: BaseException
     ) -> BucketTimeoutError:
-        """Post this rank's position, wait up to ``grace_s`` for the others, and build the error."""
+        """Post this rank's position, wait up to ``grace_s`` for the others, and build the error. A lost connection
+        (the peer's process or node is gone) waits for nobody: the others' positions are read once."""
+        lost = peer_connection_lost(cause)
+        grace_s = 0.0 if lost else grace_s
         where = f"step {step} bucket {bucket_index}"
         peers: dict[int, str | None] = {}
         store_problem = ""
@@ -92,7 +95,12 @@ class StuckBucketDiagnoser:
             f"rank {r} " + (f"is waiting at {peers[r]}" if peers.get(r) else "reported nothing") for r in missing
         )
         shown = ", ".join(names[:10]) + (f", ... ({len(names) - 10} more)" if len(names) > 10 else "")
-        if missing:
+        if lost:
+            who = (
+                "the connection to a peer was lost, so a rank's process or its node died (the underlying error names "
+                f"its address; ranks not at this bucket: {missing or 'none'}){store_problem}"
+            )
+        elif missing:
             who = f"rank(s) {missing} never reached it ({detail}){store_problem}"
         else:
             who = f"every rank reached it, so the transport itself failed{store_problem}"
@@ -103,6 +111,14 @@ class StuckBucketDiagnoser:
             "peers waiting; use model.join() for uneven inputs. Underlying error: "
             f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
         )
+
+
+_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+def peer_connection_lost(cause: BaseException) -> bool:
+    """Whether ``cause`` (a backend's error) says a peer's connection went away, as gloo reports a dead process."""
+    return any(text in str(cause) for text in _LOST)
 
 
 def received_twice(slot: ParamSlot) -> str:

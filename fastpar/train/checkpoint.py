@@ -109,8 +109,11 @@ def load_newest_valid(directory: str | Path, report=print) -> tuple[dict[str, An
 
 
 def restarted_by_torchrun() -> bool:
-    """True in a worker group torchrun (or the trainer's elastic launch) restarted after a failure: resume."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    """True in a worker group torchrun (or the trainer's elastic launch) restarted after a failure: resume. On
+    several nodes every node's workers say so, also those of nodes that did not fail (fastpar.rendezvous)."""
+    from ..rendezvous import restart_round
+
+    return restart_round() > 0
 
 
 def rng_state() -> dict[str, Any]:

@@ -84,7 +84,7 @@ def _gpu_ids(kind: str, devices: int | None, available: int) -> tuple[int, ...]:
     return tuple(select_cuda_devices(devices))
 
 
-def _cluster_plan(threads: int | None) -> Plan:
+def _cluster_plan(threads: int | None, backend: str = "auto") -> Plan:
     missing = [name for name in TORCHRUN_VARS if name not in os.environ]
     if missing:
         raise ExecutionEnvironmentError(
@@ -100,17 +100,18 @@ def _cluster_plan(threads: int | None) -> Plan:
         print(notice, file=sys.stderr, flush=True)
     cuda = gpu_count() > 0
     threads = threads or max(1, usable_cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"]))
-    return Plan("cluster", 0, "nccl" if cuda else "gloo", "cuda" if cuda else "cpu", (), threads)
+    # CPU ranks: fastpar's backend by default, hierarchical across nodes (shared memory within each, gloo between)
+    return Plan("cluster", 0, "nccl" if cuda else cpu_backend(backend), "cuda" if cuda else "cpu", (), threads)
 
 
 def resolve(kind: str, devices: int | None = None, threads: int | None = None, backend: str = "auto") -> Plan:
     """The plan for ``execution_environment=kind``; raises ExecutionEnvironmentError when it can't be had here.
-    ``backend`` is TrainingOptions.cpu_backend: the backend of CPU processes on one machine."""
+    ``backend`` is TrainingOptions.cpu_backend: the backend of CPU processes (on one machine or on a cluster)."""
     if kind == "cluster":
-        return _cluster_plan(threads)
+        return _cluster_plan(threads, backend)
     if under_torchrun():
         # Started by torchrun (e.g. `torchrun --nproc-per-node=4 train.py`): join its group instead of launching.
-        plan = _cluster_plan(threads)
+        plan = _cluster_plan(threads, backend)
         if kind == "cpu":
             return dataclasses.replace(plan, backend=cpu_backend(backend), device_type="cpu")
         return plan

@@ -63,7 +63,7 @@ class TrainingOptions:
     devices: int | None = None  # cpu: processes (default min(4, cores)); multi-gpu: best k GPUs (default all)
     max_restarts: int = 0  # elastic restarts of the whole local group when a worker dies
     threads_per_process: int | None = None  # torch threads per CPU process (default: cores / processes)
-    cpu_backend: str = "auto"  # CPU processes: auto (fastpar's shared-memory backend when built) | fastpar | gloo
+    cpu_backend: str = "auto"  # CPU processes, also on a cluster: auto (fastpar's backend when built) | fastpar | gloo
 
     # gradient sync and the step
     ddp: str = "auto"  # auto: fastpar's DDP when its extension is live, else torch's | torch | fastpar

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import sys
 from typing import Any
 
 import torch
@@ -48,6 +50,17 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         # process raises it again, as one message instead of every worker's traceback
         finished = True
         return {"refused": (exc.option, str(exc))}
+    except Exception as exc:
+        if (
+            world_size > 1
+        ):  # at once, before the group's teardown, which a dead peer can hold up until the agent stops us
+            first = (str(exc).strip().splitlines() or [""])[0]
+            print(
+                f"fastpar: rank {rank} on {socket.gethostname()} failed: {type(exc).__name__}: {first}",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise
     finally:
         if own_group and dist.is_initialized():
             if finished:  # gloo aborts a process whose peer tears the group down while it finishes its last collective

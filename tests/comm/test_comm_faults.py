@@ -354,12 +354,14 @@ def test_segment_is_private_to_the_user_and_reserved():
 def test_disabled_shm_falls_back_to_gloo_with_the_reason(monkeypatch):
     monkeypatch.setenv("FASTPAR_SHM", "0")  # inherited by the spawned ranks
     for status, total in spawn(_status, 2, backend="fastpar", timeout=300):
-        assert status == {"backend": "fastpar", "shm": False, "reason": "disabled by FASTPAR_SHM=0"}
+        assert status == {"backend": "fastpar", "shm": False, "reason": "disabled by FASTPAR_SHM=0", "nodes": 0}
         assert total == [3.0, 3.0, 3.0]
 
 
 def test_reasons_for_gloo():
     same = ["h|b|1|0"] * 3
     assert comm_backend._why_not(same) == ""
-    assert "span 2 hosts" in comm_backend._why_not(["a|b|1|0", "c|b|1|0"])
+    assert "host of its own" in comm_backend._why_not(["a|b|1|0", "c|b|1|0"])
+    assert comm_backend._why_not(["a|b|1|0", "a|b|1|0", "c|b|1|0"]) == ""  # across nodes: hierarchical
+    assert comm_backend._node_layout(["a", "c", "a", "d", "c"]) == [0, 1, 0, 2, 1]
     assert "above" in comm_backend._why_not(["h"] * (comm_backend.MAX_RANKS + 1))

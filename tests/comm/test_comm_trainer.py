@@ -57,4 +57,4 @@ def test_trainer_cpu_processes_reduce_through_shared_memory(tmp_path):
     )
     Trainer(make_model, make_optimizer, torch.nn.functional.cross_entropy, (x, y), options=options).fit()
     seen = json.loads(record.read_text())
-    assert seen == {"backend": "fastpar", "status": {"backend": "fastpar", "shm": True, "reason": ""}}
+    assert seen == {"backend": "fastpar", "status": {"backend": "fastpar", "shm": True, "reason": "", "nodes": 1}}

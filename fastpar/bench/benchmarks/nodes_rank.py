@@ -1,0 +1,116 @@
+"""One rank of ``fastpar bench nodes`` (run on a node by the benchmark, not by hand): joins the group at node 0's
+address on the "fastpar" backend plus a gloo group over the same ranks, checks every variant's result, times them
+in interleaved rounds, and rank 0 writes the times as JSON.
+
+Usage: python -m fastpar.bench.benchmarks.nodes_rank RANK WORLD ADDRESS PORT OUT CONFIG_JSON
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ALLREDUCE = ("fastpar", "gloo")  # the group each all-reduce runs on
+DDP = ("no_comm", "ddp_gloo", "fastpar_fp32", "fastpar_bf16")  # ddp_variants names; ddp_gloo: torch DDP on gloo
+
+
+def _check_all_reduce(numel: int, group, rank: int, world: int) -> None:
+    t = torch.full((numel,), float(rank + 1))
+    dist.all_reduce(t, group=group)
+    expected = world * (world + 1) / 2  # exact in float32
+    wrong = int((t != expected).sum())
+    if wrong:
+        raise RuntimeError(f"all-reduce on {group_name(group)}: {wrong} of {numel} elements wrong on rank {rank}")
+
+
+def group_name(group) -> str:
+    return "gloo" if group is not None else "fastpar"
+
+
+def _time_all_reduce(numel: int, groups: dict, config: dict, gloo) -> dict[str, list[float]]:
+    buffers = {name: torch.zeros(numel) for name in groups}  # zeros: repeated sums stay exact
+    for name, group in groups.items():
+        for _ in range(config["warmup"]):
+            dist.all_reduce(buffers[name], group=group)
+    seconds: dict[str, list[float]] = {name: [] for name in groups}
+    names = list(groups)
+    for round_ in range(config["rounds"]):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:  # rotate who goes first
+            dist.barrier(group=gloo)
+            start = time.perf_counter()
+            for _ in range(config["iters"]):
+                dist.all_reduce(buffers[name], group=groups[name])
+            seconds[name].append((time.perf_counter() - start) / config["iters"])
+    return seconds
+
+
+def _time_ddp(config: dict, rank: int, gloo) -> tuple[dict[str, list[float]], dict[str, str]]:
+    from .ddp_variants import MODELS, Trainee
+
+    variants = DDP + tuple(config["extra_variants"])
+
+    width = MODELS[config["model"]][0]
+    x = torch.randn(config["batch"], width, generator=torch.Generator().manual_seed(100 + rank))
+    trainees = {v: Trainee(v, config["model"], torch.device("cpu"), lr=0.01, gloo_group=gloo) for v in variants}
+    for trainee in trainees.values():
+        for _ in range(config["warmup"]):
+            trainee.step(x)
+    seconds: dict[str, list[float]] = {v: [] for v in variants}
+    for round_ in range(config["rounds"]):
+        for v in variants[round_ % len(variants) :] + variants[: round_ % len(variants)]:
+            dist.barrier(group=gloo)
+            start = time.perf_counter()
+            for _ in range(config["steps"]):
+                trainees[v].step(x)
+            seconds[v].append((time.perf_counter() - start) / config["steps"])
+    wrong = {}
+    for v, trainee in trainees.items():  # every rank holds the same parameters (no_comm trains alone)
+        mine = trainee.flat_params()
+        first = mine.clone()
+        dist.broadcast(first, 0, group=gloo)
+        if v != "no_comm" and not torch.equal(mine, first):
+            wrong[v] = f"rank {rank}'s parameters differ from rank 0's"
+    return seconds, wrong
+
+
+def main(rank: int, world: int, address: str, port: str, out: str, config: dict) -> None:
+    from ...comm import shm_status
+
+    dist.init_process_group(
+        "fastpar",
+        init_method=f"tcp://{address}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=config["timeout_s"]),
+    )
+    gloo = dist.new_group(backend="gloo")
+    result: dict = {"status": shm_status(), "threads": torch.get_num_threads()}
+    groups = {"fastpar": None, "gloo": gloo}
+    numel = config["bytes"] // 4
+    for group in groups.values():
+        _check_all_reduce(numel, group, rank, world)
+    result["allreduce"] = _time_all_reduce(numel, groups, config, gloo)
+    if config["model"]:
+        result["ddp"], result["wrong"] = _time_ddp(config, rank, gloo)
+    every = [None] * world
+    dist.all_gather_object(every, result, group=gloo)
+    if rank == 0:
+        with open(out, "w") as fh:
+            json.dump(every, fh)
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+if __name__ == "__main__":
+    rank, world, address, port, out, config = sys.argv[1:7]
+    main(int(rank), int(world), address, port, out, json.loads(config))

@@ -1,0 +1,75 @@
+"""One rank of the across-nodes sharded-training test (not a test itself): fastpar's fully sharded model (FSDP2:
+reduce-scatter and all-gather) and DDP train 3 SGD steps on the "fastpar" backend across nodes; rank 0 saves each
+one's full parameters, every rank saves whether its copy equals rank 0's. Usage:
+nodes_sharded_worker.py RANK WORLD MASTER_ADDR MASTER_PORT OUT_DIR"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+
+import torch
+import torch.distributed as dist
+
+import fastpar
+from fastpar.shard import fully_shard_model
+
+STEPS, BATCH = 3, 8
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+    )
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(BATCH, 32, generator=g), torch.randn(BATCH, 8, generator=g)
+
+
+def train(model: torch.nn.Module, rank: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    parts = []
+    for p in model.parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        parts.append(full.detach().reshape(-1))
+    return torch.cat(parts)
+
+
+def main(rank: int, world: int, addr: str, port: str, out: str) -> None:
+    dist.init_process_group(
+        "fastpar",
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    got = {"status": fastpar.comm.shm_status()}
+    sharded = fully_shard_model(make_model)
+    train(sharded, rank)
+    got["fsdp"] = flat(sharded)
+    ddp = fastpar.DistributedDataParallel(make_model())
+    train(ddp, rank)
+    got["ddp"] = flat(ddp.module)
+    for key in ("fsdp", "ddp"):
+        first = got[key].clone()
+        dist.broadcast(first, 0)
+        got[f"{key}_same_as_rank0"] = torch.equal(first, got[key])
+    torch.save(got, f"{out}/{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    rank, world, addr, port, out = sys.argv[1:6]
+    main(int(rank), int(world), addr, port, out)
