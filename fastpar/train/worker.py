@@ -51,9 +51,8 @@ def run_worker(job: Job) -> dict[str, Any] | None:
         finished = True
         return {"refused": (exc.option, str(exc))}
     except Exception as exc:
-        if (
-            world_size > 1
-        ):  # at once, before the group's teardown, which a dead peer can hold up until the agent stops us
+        # said at once, before the group's teardown, which a dead peer can hold up until the agent stops this process
+        if world_size > 1:
             first = (str(exc).strip().splitlines() or [""])[0]
             print(
                 f"fastpar: rank {rank} on {socket.gethostname()} failed: {type(exc).__name__}: {first}",
