@@ -25,7 +25,8 @@ def inputs(rank: int) -> dict[str, torch.Tensor]:
     }
 
 
-def main(rank: int, world: int, addr: str, port: str, out: str) -> None:
+def join(rank: int, world: int, addr: str, port: str) -> dict[str, object]:
+    """Join the group on the "fastpar" backend at node 0's address; returns what to save, its status first."""
     dist.init_process_group(
         "fastpar",
         init_method=f"tcp://{addr}:{port}",
@@ -33,7 +34,17 @@ def main(rank: int, world: int, addr: str, port: str, out: str) -> None:
         world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )
-    got: dict[str, object] = {"status": fastpar.comm.shm_status()}
+    return {"status": fastpar.comm.shm_status()}
+
+
+def save_and_leave(got: dict[str, object], out: str, rank: int) -> None:
+    torch.save(got, f"{out}/{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(rank: int, world: int, addr: str, port: str, out: str) -> None:
+    got = join(rank, world, addr, port)
     x = inputs(rank)
     t = x["x"].clone()
     dist.all_reduce(t)
@@ -68,9 +79,7 @@ def main(rank: int, world: int, addr: str, port: str, out: str) -> None:
     dist.broadcast(bc, src=world - 1)
     got["broadcast"] = bc
     dist.barrier()
-    torch.save(got, f"{out}/{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    save_and_leave(got, out, rank)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,11 @@ nodes_sharded_worker.py RANK WORLD MASTER_ADDR MASTER_PORT OUT_DIR"""
 
 from __future__ import annotations
 
-import datetime
 import sys
 
 import torch
 import torch.distributed as dist
+from nodes_collectives_worker import join, save_and_leave  # this folder: the same join and exit
 
 import fastpar
 from fastpar.shard import fully_shard_model
@@ -47,14 +47,7 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
 
 
 def main(rank: int, world: int, addr: str, port: str, out: str) -> None:
-    dist.init_process_group(
-        "fastpar",
-        init_method=f"tcp://{addr}:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    got = {"status": fastpar.comm.shm_status()}
+    got = join(rank, world, addr, port)
     sharded = fully_shard_model(make_model)
     train(sharded, rank)
     got["fsdp"] = flat(sharded)
@@ -65,9 +58,7 @@ def main(rank: int, world: int, addr: str, port: str, out: str) -> None:
         first = got[key].clone()
         dist.broadcast(first, 0)
         got[f"{key}_same_as_rank0"] = torch.equal(first, got[key])
-    torch.save(got, f"{out}/{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    save_and_leave(got, out, rank)
 
 
 if __name__ == "__main__":

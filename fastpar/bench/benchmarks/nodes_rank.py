@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import statistics
 import sys
 import time
 
@@ -105,10 +104,6 @@ def main(rank: int, world: int, address: str, port: str, out: str, config: dict)
             json.dump(every, fh)
     dist.barrier(group=gloo)
     dist.destroy_process_group()
-
-
-def median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 if __name__ == "__main__":
