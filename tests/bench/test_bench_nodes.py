@@ -28,7 +28,10 @@ def _run(argv: list[str]) -> tuple[int, str, str]:
 def test_small_run_prints_peer_floor_goals_and_json(tmp_path):
     path = tmp_path / "nodes.json"
     argv = ["nodes", "--size", "1M", "--model", "blocks", "--batch", "8", "--steps", "1"]
-    status, printed, err = _run([*argv, "--rounds", "2", "-n", "2", "-w", "1", "--json", str(path)])
+    plot = tmp_path / "nodes.png"
+    status, printed, err = _run(
+        [*argv, "--rounds", "2", "-n", "2", "-w", "1", "--json", str(path), "--plot", str(plot)]
+    )
     assert status == 0, err
     for row in ("all-reduce gloo (peer)", "all-reduce fastpar", "all-reduce link-rate floor"):
         assert row in printed
@@ -46,6 +49,7 @@ def test_small_run_prints_peer_floor_goals_and_json(tmp_path):
         "goal: fastpar_bf16 step <= 0.55x torch DDP on gloo:",
     ):
         assert goal in printed
+    assert plot.stat().st_size > 0
     data = json.loads(path.read_text())
     assert data["benchmark"] == "nodes" and len(data["summary"]["goals"]) == 4
     assert data["summary"]["link_floor_ms"] == pytest.approx(2**20 * 8 / 1e9 * 1e3)  # 1 MiB over 1 Gbit/s

@@ -29,7 +29,7 @@ from ...launcher import RankError
 from ..context import BenchContext
 from ..goals import AT_LEAST, AT_MOST, Goal, beyond_floor
 from ..harness import BenchUsageError, WrongResultError, format_bytes, median, parse_bytes
-from ..table import BenchReport, Column
+from ..table import BenchReport, Column, PlotSpec
 
 DESCRIPTION = "fastpar backend and DDP across K nodes on a tbf-shaped link vs gloo and torch DDP (needs root)"
 USES: set[str] = set()
@@ -186,6 +186,7 @@ def _report(ctx: BenchContext, every: list[dict], nbytes: int, rate_bits: float)
             "all-reduce": f"{format_bytes(nbytes)} float32, {ctx.iters} per round, {ctx.rounds} rounds, interleaved",
         },
         config=ctx.config(),
+        plot=PlotSpec("bar", "what", "vs_peer", ylabel="time / the peer's (gloo; torch DDP on gloo)"),
     )
     ar_peer = times["gloo"]
     for name, label in (("gloo", "all-reduce gloo (peer)"), ("fastpar", "all-reduce fastpar")):
