@@ -14,14 +14,17 @@ left (``remove_stale``). Needs root (``CAP_SYS_ADMIN`` + ``CAP_NET_ADMIN``), ``i
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PREFIX = "fpn"  # every namespace this harness makes: fpn-<owner pid>-<serial>-<n0|n1|...|sw>
 SUBNET = "10.213.0"  # node i is 10.213.0.(i + 1)/24 inside its own namespace: no host route can clash
@@ -106,6 +109,10 @@ def remove_stale() -> list[str]:
             _kill_netns_processes(netns)
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
             removed.append(netns)
+    for hosts in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*-hosts-*"):
+        owner = hosts.name.split("-")[1]
+        if owner.isdigit() and not _pid_alive(int(owner)):
+            hosts.unlink(missing_ok=True)
     return removed
 
 
@@ -146,6 +153,7 @@ class NodeCluster:
         self.switch = f"{self.tag}-sw"
         self.nodes: list[Node] = []
         self._made: list[str] = []
+        self._hosts_file: str | None = None
 
     # --- up ---------------------------------------------------------------------------------------------
     def __enter__(self) -> NodeCluster:
@@ -170,6 +178,7 @@ class NodeCluster:
 
     def up(self) -> None:
         remove_stale()
+        self._write_hosts_file()
         self._add_netns(self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
@@ -235,12 +244,22 @@ class NodeCluster:
         if done.returncode:
             raise NodeHarnessError(f"`{' '.join(command)}` failed: {done.stderr.strip()}")
 
+    def _write_hosts_file(self) -> None:
+        """An ``/etc/hosts`` for the nodes (bind-mounted over theirs): every node resolves every other by its
+        hostname, as on a cluster (Slurm's daemons and ``srun`` look their peers up by name)."""
+        fd, self._hosts_file = tempfile.mkstemp(prefix=f"{self.tag}-hosts-")
+        lines = ["127.0.0.1 localhost", *(f"{SUBNET}.{i + 1} node{i}" for i in range(self.count))]
+        with os.fdopen(fd, "w") as out:
+            out.write("\n".join(lines) + "\n")
+        os.chmod(self._hosts_file, 0o644)
+
     def _start_holder(self, netns: str, hostname: str) -> subprocess.Popen:
-        """A process in the node's network namespace that unshares UTS and mount namespaces, sets the hostname
-        and mounts a tmpfs of its own on /dev/shm; processes on the node enter its namespaces."""
+        """A process in the node's network namespace that unshares UTS and mount namespaces, sets the hostname,
+        mounts a tmpfs of its own on /dev/shm and the nodes' hosts file on /etc/hosts; processes on the node
+        enter its namespaces."""
         script = (
             f"hostname {hostname} && mount -t tmpfs -o mode=1777,size={self.shm_size} fastpar-node-shm /dev/shm"
-            " && echo ready && exec sleep infinity"
+            f" && mount --bind {self._hosts_file} /etc/hosts && echo ready && exec sleep infinity"
         )
         holder = subprocess.Popen(
             [
@@ -281,6 +300,10 @@ class NodeCluster:
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
         self._made.clear()
         self.nodes.clear()
+        if self._hosts_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._hosts_file)
+            self._hosts_file = None
 
     def link_seconds(self, nbytes: float) -> float:
         """The least time ``nbytes`` of payload take to cross one shaped link."""

@@ -21,10 +21,12 @@ import torch
 from torch_teardown import aborted_at_teardown
 
 from fastpar.launcher import free_port
+from fastpar.nodes import NodeSlurm, slurm_available
 
 pytestmark = pytest.mark.timeout(900)
 REPO = Path(__file__).resolve().parents[2]
 AGENT = REPO / "tests" / "support" / "node_agent.py"
+SUBMIT = REPO / "tests" / "support" / "nodes_batch_submit.py"
 RDZV_PORT = 29400
 
 
@@ -105,6 +107,29 @@ def test_nodes_train_bit_identical_to_one_machine(make_nodes, tmp_path, count, n
     _assert_same(params, reference, f"{count} nodes x {nproc} and one machine with {count * nproc} processes")
     notice = [line for line in outputs[0].splitlines() if "store listens on" in line]
     assert notice and f"({nodes[0].address} only" in notice[0], outputs[0]
+
+
+@pytest.mark.slow
+def test_fastpar_batch_on_a_slurm_across_nodes_is_bit_identical_to_one_machine(make_nodes, tmp_path):
+    """``fastpar.batch(script, nodes=2, processes_per_node=2, cluster="slurm")`` submitted from node 0 to a Slurm
+    whose controller and daemons run on the nodes (NodeSlurm): one agent per node (task 0 on node0, task 1 on
+    node1), meeting at the rendezvous on the allocation's first host by name; on gloo the trained parameters
+    equal one machine's with 4 processes bit for bit."""
+    ok, why = slurm_available()
+    if not ok:
+        pytest.skip(why)
+    env = {"FASTPAR_TEST_CPU_BACKEND": "gloo"}
+    reference = _one_machine(4, tmp_path / "one.pt", **env)
+    nodes = make_nodes(2, link="1gbit")
+    out = tmp_path / "batch.pt"
+    with NodeSlurm(nodes, tmp_path / "slurm") as slurm:
+        argv = [sys.executable, "-u", str(SUBMIT), "2", "2", str(out), str(tmp_path / "jobs")]
+        done = nodes[0].run(argv, env=slurm.env(_env(**env)), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
+    _assert_same(torch.load(out), reference, "fastpar.batch on 2 Slurm nodes x 2 and one machine with 4 processes")
+    logs = done.stdout.split("--- task 1 log ---")
+    assert "hostname=node0" in logs[0] and "hostname=node1" in logs[1], done.stdout[-6000:]
+    assert f"({nodes[0].address} only" in logs[1], logs[1]  # node 1's agent found node 0 by its name
 
 
 def test_the_stores_listen_on_node_0s_address_only(make_nodes):

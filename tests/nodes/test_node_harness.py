@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from fastpar.nodes import NodeCluster, link_rate_bits, remove_stale
+from fastpar.nodes import NodeCluster, NodeSlurm, link_rate_bits, remove_stale, slurm_available
 from fastpar.nodes.harness import PREFIX
 
 SINK = """
@@ -70,6 +72,8 @@ def test_nodes_have_their_own_address_hostname_and_shared_memory(make_nodes):
         text=True,
     )
     assert "ConnectionRefused" in reach.stderr, "node 2 does not reach node 0 through the switch"
+    names = nodes[2].run(["getent", "hosts", "node0", "node1"], capture_output=True, text=True).stdout.split()
+    assert names == [nodes[0].address, "node0", nodes[1].address, "node1"], "nodes do not resolve each other"
 
 
 def test_a_shaped_link_takes_at_least_its_bytes_over_its_rate(make_nodes):
@@ -109,6 +113,37 @@ def test_a_dead_owners_namespaces_are_removed_by_the_next_harness(node_support, 
     removed = remove_stale()
     assert {f"{tag}-sw", f"{tag}-n0", f"{tag}-n1"} <= set(removed)
     assert tag not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not list(Path(tempfile.gettempdir()).glob(f"{tag}-hosts-*")), "the dead owner's hosts file was left"
+
+
+def test_a_slurm_over_the_nodes_runs_a_step_on_each_and_stops_with_the_block(make_nodes, tmp_path):
+    ok, why = slurm_available()
+    if not ok:
+        pytest.skip(why)
+    nodes = make_nodes(2, link=None)
+    with NodeSlurm(nodes, tmp_path / "slurm") as slurm:
+        done = slurm.run(["srun", "--nodes=2", "--ntasks-per-node=1", "hostname"], timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert sorted(done.stdout.split()) == ["node0", "node1"]
+        assert _programs_on(nodes[0]) >= {"slurmctld", "slurmd"} and "slurmd" in _programs_on(nodes[1])
+    assert not _programs_on(nodes[0]) & {"slurmctld", "slurmd"} and "slurmd" not in _programs_on(nodes[1])
+
+
+def _programs_on(node) -> set[str]:
+    """The names of the programs running in ``node``'s network namespace."""
+    pids = subprocess.run(["ip", "netns", "pids", node.netns], capture_output=True, text=True).stdout.split()
+    names = set()
+    for pid in pids:
+        try:
+            names.add(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:
+            pass
+    return names
+
+
+def test_slurm_needs_nodes_that_are_up(tmp_path):
+    with pytest.raises(ValueError, match="enter it first"):
+        NodeSlurm(NodeCluster(2), tmp_path)
 
 
 def test_a_bad_rate_is_refused_with_the_form_to_use():
