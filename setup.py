@@ -101,6 +101,33 @@ def _extensions():
     return [ext], {"build_ext": build.with_cpu_fallback(cpp_extension.BuildExtension, to_cpu, _say)}
 
 
+def _keep_objects(build_ext_class):
+    """An editable install (``pip install -e .``, again with extras) compiles in a new temporary folder each time:
+    compile in ``build/`` instead, one folder per platform, Python and torch, so that ninja recompiles only the
+    sources that changed (it also rebuilds what was compiled with other flags)."""
+
+    class KeepObjects(build_ext_class):
+        def finalize_options(self):
+            super().finalize_options()
+            if not (getattr(self, "editable_mode", False) or self.inplace):
+                return
+            import sysconfig
+
+            import torch
+
+            tag = f"{sysconfig.get_platform()}-{sys.implementation.cache_tag}-torch{torch.__version__}"
+            folder = ROOT / "build" / f"objects-{tag}"
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError:  # a read-only checkout: the temporary folder it is
+                return
+            self.build_temp = str(folder)
+
+    return KeepObjects
+
+
 ext_modules, cmdclass = _extensions()
+if "build_ext" in cmdclass:
+    cmdclass["build_ext"] = _keep_objects(cmdclass["build_ext"])
 cmdclass["build_py"] = BuildPyWithSources
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

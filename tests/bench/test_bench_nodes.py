@@ -37,6 +37,12 @@ def test_small_run_prints_peer_floor_goals_and_json(tmp_path):
         assert row in printed
     for row in ("torch DDP on gloo (peer)", "fastpar fp32", "fastpar bf16 grads", "no communication (floor)"):
         assert f"DDP step: {row}" in printed
+    for row in ("torch ZeRO on gloo (peer)", "fastpar ZeRO-1", "fastpar ZeRO-2"):
+        assert f"ZeRO step: {row}" in printed
+    for variant in ("torch DDP on gloo (peer)", "fastpar fp32", "fastpar bf16 grads"):  # the profile
+        assert f"profile, rank 0, median ms: {variant}: forward " in printed
+    assert "of it waiting for the wire after the compute:" in printed
+    assert "fastpar_fp32: 24.3 MiB of gradients out of each node's link per step (204 ms at the link's rate" in printed
     assert '"nodes": 2' in printed  # the backend ran hierarchically
     assert (
         "the hierarchy 1.00 MiB, gloo's ring 1.50 MiB; by the wire alone the speed-up over gloo is at most 1.50x"

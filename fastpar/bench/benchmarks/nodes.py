@@ -8,9 +8,12 @@ each (rank r on node r // P) and times, in interleaved rounds on the same ranks:
   within a node, gloo among the node leaders) and on gloo (the peer). The floor is the link's rate: an all-reduce
   over K nodes must move 2(K-1)/K of the buffer out of each node, so ``size x 2(K-1)/K / rate`` seconds;
 - a DDP training step of ``--model`` (ddp_variants): torch DDP on gloo (the peer), fastpar's DDP in fp32 and
-  with bf16 gradients on the "fastpar" backend, and the model without communication (the compute floor).
+  with bf16 gradients on the "fastpar" backend, and the model without communication (the compute floor);
+- a ZeRO step of the same model with AdamW (unless ``--no-zero``): torch's ZeroRedundancyOptimizer over torch DDP
+  on gloo (the peer), fastpar's ZeRO-1 and ZeRO-2 (``ShardedOptimizer``) on the "fastpar" backend, and the floor.
 
-Every variant's result is checked first (all-reduce: exact sums; DDP: every rank ends with rank 0's parameters).
+Every variant's result is checked (all-reduce: exact sums; DDP: every rank ends with rank 0's parameters; ZeRO:
+every variant ends with torch's ZeRO's parameters, bit for bit).
 The goals (2 nodes x 2 ranks over 1gbit) are printed as MET / NOT MET; at other shapes the same figures print
 without goals. Needs root and iproute2 (the nodes are namespaces); the nodes and links are gone afterwards.
 """
@@ -57,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="more DDP variants of 'fastpar bench ddp' to time beside them, comma-separated (e.g. fastpar_cap_4)",
     )
+    group.add_argument(
+        "--no-zero",
+        dest="zero",
+        action="store_false",
+        help="leave out the ZeRO steps (torch's ZeroRedundancyOptimizer on gloo vs fastpar's ZeRO-1/2)",
+    )
     group.add_argument("--timeout", type=float, default=900, help="seconds before the run is stopped (default 900)")
 
 
@@ -76,6 +85,8 @@ def check_flags(flags: argparse.Namespace) -> None:
         raise BenchUsageError(f"--model {flags.model!r}: choose one of {', '.join(MODELS)} or none")
     from .ddp_variants import VARIANTS
 
+    if parse_bytes(flags.size) < 4:
+        raise BenchUsageError(f"--size {flags.size}: at least 4 bytes")
     unknown = [v for v in _extra(flags) if v not in VARIANTS]
     if unknown:
         raise BenchUsageError(f"--extra-variants: unknown {unknown}; choose from {', '.join(VARIANTS)}")
@@ -83,8 +94,6 @@ def check_flags(flags: argparse.Namespace) -> None:
 
 def _extra(flags: argparse.Namespace) -> list[str]:
     return [v for v in flags.extra_variants.split(",") if v and v not in ("no_comm", "fastpar_fp32", "fastpar_bf16")]
-    if parse_bytes(flags.size) < 4:
-        raise BenchUsageError(f"--size {flags.size}: at least 4 bytes")
 
 
 def _launch(nodes, flags, config: dict, out: Path) -> list[dict]:
@@ -141,6 +150,7 @@ def run(ctx: BenchContext) -> BenchReport:
         "batch": flags.batch,
         "steps": flags.steps,
         "extra_variants": _extra(flags),
+        "zero": flags.zero,
         "threads": ctx.threads,
         "timeout_s": flags.timeout,
     }
@@ -161,6 +171,33 @@ def _crossing(nodes: int, per_node: int, nbytes: int) -> tuple[float, float]:
             out_edges[a] += 1
     ring = max(out_edges) * 2 * (world - 1) / world * nbytes
     return leaders, ring
+
+
+def _profile_lines(flags, first: dict, rate_bits: float, peer_s: float, labels: dict[str, str]) -> list[str]:
+    """Where rank 0's DDP step goes (forward, backward with the sync, of it the wait for the wire, optimizer),
+    beside what the gradients need on the wire, and the best step the wire allows: the model's own forward and
+    optimizer plus the longer of its backward and the link floor (perfect overlap)."""
+    profile, grad_bytes = first["profile"], first["grad_bytes"]
+    lines = []
+    for v in ("ddp_gloo", "fastpar_fp32", "fastpar_bf16", "no_comm"):
+        ph = {k: ms * 1e3 for k, ms in profile[v].items()}
+        wait = "" if ph["wait"] != ph["wait"] else f" (of it waiting for the wire after the compute: {ph['wait']:.0f})"
+        lines.append(
+            f"profile, rank 0, median ms: {labels[v].removeprefix('DDP step: ')}: forward {ph['forward']:.0f}, "
+            f"backward {ph['backward']:.0f}{wait}, optimizer {ph['optimizer']:.0f}"
+        )
+    own = profile["no_comm"]
+    for v, width in (("fastpar_fp32", 1.0), ("fastpar_bf16", 0.5)):
+        hier, ring = _crossing(flags.nodes, flags.procs_per_node, grad_bytes * width)
+        floor = hier * 8 / rate_bits
+        best = own["forward"] + max(own["backward"], floor) + own["optimizer"]
+        lines.append(
+            f"{v}: {hier / 2**20:.1f} MiB of gradients out of each node's link per step ({floor * 1e3:.0f} ms at the "
+            f"link's rate; gloo's ring: {ring / 2**20:.1f} MiB, {ring * 8 / rate_bits * 1e3:.0f} ms); the best step "
+            f"the wire allows, the model's forward + max(backward, link floor) + optimizer: {best * 1e3:.0f} ms = "
+            f"{best / peer_s:.2f}x the peer's measured step"
+        )
+    return lines
 
 
 def _report(ctx: BenchContext, every: list[dict], nbytes: int, rate_bits: float) -> BenchReport:
@@ -235,10 +272,34 @@ def _report(ctx: BenchContext, every: list[dict], nbytes: int, rate_bits: float)
             f"model {flags.model}, batch {flags.batch}/rank, {flags.steps} steps per round, SGD, "
             f"{ctx.threads} thread(s) per rank"
         )
+        if "profile" in first and flags.nodes > 1:
+            report.footer.extend(_profile_lines(flags, first, rate_bits, peer, labels))
         if goals_apply:
             for goal, v in ((FP32_VS_DDP, "fastpar_fp32"), (BF16_VS_DDP, "fastpar_bf16")):
                 flag = beyond_floor(v, steps[v], steps["no_comm"], "no_comm")
                 report.goals.append(goal.check(steps[v] / peer, flag=flag))
+    if "zero" in first:
+        steps = {v: median(values) for v, values in first["zero"].items()}
+        peer = steps["zero_torch"]
+        labels = {
+            "zero_torch": "ZeRO step: torch ZeRO on gloo (peer)",
+            "zero_fastpar": "ZeRO step: fastpar ZeRO-1",
+            "zero2_fastpar": "ZeRO step: fastpar ZeRO-2",
+            "no_comm": "ZeRO step: no communication (floor)",
+        }
+        for v, label in labels.items():
+            report.rows.append(
+                {
+                    "what": label,
+                    "ms": steps[v] * 1e3,
+                    "vs_peer": steps[v] / peer,
+                    "vs_floor": steps[v] / steps["no_comm"],
+                }
+            )
+        report.header["zero"] = (
+            f"model {flags.model}, AdamW, batch {flags.batch}/rank, {flags.steps} steps per round; each step waits "
+            "for its parameters' all-gather; no goal is set for these rows"
+        )
     if not goals_apply:
         report.notes.append("the goals are set for 2 nodes x 2 ranks over 1gbit; this shape prints figures only")
     report.summary = {"allreduce_ms": {k: v * 1e3 for k, v in times.items()}, "link_floor_ms": link_floor * 1e3}

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 ALLREDUCE = ("fastpar", "gloo")  # the group each all-reduce runs on
 DDP = ("no_comm", "ddp_gloo", "fastpar_fp32", "fastpar_bf16")  # ddp_variants names; ddp_gloo: torch DDP on gloo
+ZERO = ("no_comm", "zero_torch", "zero_fastpar", "zero2_fastpar")  # zero.Trainee names; zero_torch on gloo
 
 
 def _check_all_reduce(numel: int, group, rank: int, world: int) -> None:
@@ -68,6 +69,7 @@ def _time_ddp(config: dict, rank: int, gloo) -> tuple[dict[str, list[float]], di
             for _ in range(config["steps"]):
                 trainees[v].step(x)
             seconds[v].append((time.perf_counter() - start) / config["steps"])
+    profile = _profile_ddp(trainees, x, config, gloo)
     wrong = {}
     for v, trainee in trainees.items():  # every rank holds the same parameters (no_comm trains alone)
         mine = trainee.flat_params()
@@ -75,6 +77,68 @@ def _time_ddp(config: dict, rank: int, gloo) -> tuple[dict[str, list[float]], di
         dist.broadcast(first, 0, group=gloo)
         if v != "no_comm" and not torch.equal(mine, first):
             wrong[v] = f"rank {rank}'s parameters differ from rank 0's"
+    return seconds, wrong, profile
+
+
+def _profile_ddp(trainees: dict, x: torch.Tensor, config: dict, gloo) -> dict[str, dict[str, float]]:
+    """Where a step's time goes, per variant (median seconds over ``config["rounds"]`` steps): ``forward``,
+    ``backward`` (autograd's call, which returns once the gradients are synchronised), of it ``wait`` (fastpar:
+    waiting for the wire after backward's compute ended, ``comm_stats()["wait_s"]``) and ``optimizer``."""
+    phases: dict[str, dict[str, list[float]]] = {}
+    for v, trainee in trainees.items():
+        rows = phases.setdefault(v, {"forward": [], "backward": [], "wait": [], "optimizer": []})
+        for _ in range(config["rounds"]):
+            dist.barrier(group=gloo)
+            trainee.optimizer.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            loss = trainee.model(x).square().mean()
+            t1 = time.perf_counter()
+            loss.backward()
+            if trainee.after_backward is not None:
+                trainee.after_backward()
+            t2 = time.perf_counter()
+            trainee.optimizer.step()
+            t3 = time.perf_counter()
+            stats = getattr(trainee.model, "comm_stats", None)
+            rows["forward"].append(t1 - t0)
+            rows["backward"].append(t2 - t1)
+            rows["wait"].append(stats()["wait_s"] if stats is not None else float("nan"))
+            rows["optimizer"].append(t3 - t2)
+    return {v: {k: sorted(vals)[len(vals) // 2] for k, vals in rows.items()} for v, rows in phases.items()}
+
+
+def _grad_bytes(model: str) -> int:
+    from .training_step import build_model
+
+    return sum(p.numel() * 4 for p in build_model(model).parameters())
+
+
+def _time_zero(config: dict, rank: int, gloo) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """ZeRO steps (AdamW): torch's ZeroRedundancyOptimizer over torch DDP on gloo (the peer), fastpar's ZeRO-1 and
+    ZeRO-2 on the "fastpar" backend, and the model alone (no_comm, the floor); all but no_comm end equal."""
+    from .ddp_variants import MODELS
+    from .zero import Trainee
+
+    variants = ZERO
+    width = MODELS[config["model"]][0]
+    x = torch.randn(config["batch"], width, generator=torch.Generator().manual_seed(100 + rank))
+    trainees = {v: Trainee(v, config["model"], torch.device("cpu"), torch_group=gloo) for v in variants}
+    for trainee in trainees.values():
+        for _ in range(config["warmup"]):
+            trainee.timed_step(x)
+    seconds: dict[str, list[float]] = {v: [] for v in variants}
+    for round_ in range(config["rounds"]):
+        for v in variants[round_ % len(variants) :] + variants[: round_ % len(variants)]:
+            dist.barrier(group=gloo)
+            start = time.perf_counter()
+            for _ in range(config["steps"]):
+                trainees[v].timed_step(x)
+            seconds[v].append((time.perf_counter() - start) / config["steps"])
+    wrong = {}
+    reference = trainees["zero_torch"].flat_params()
+    for v, trainee in trainees.items():  # the same steps on the same batches: torch's ZeRO's parameters, bit for bit
+        if v != "no_comm" and not torch.equal(trainee.flat_params(), reference):
+            wrong[v] = f"rank {rank}'s parameters differ from torch's ZeRO's"
     return seconds, wrong
 
 
@@ -96,7 +160,11 @@ def main(rank: int, world: int, address: str, port: str, out: str, config: dict)
         _check_all_reduce(numel, group, rank, world)
     result["allreduce"] = _time_all_reduce(numel, groups, config, gloo)
     if config["model"]:
-        result["ddp"], result["wrong"] = _time_ddp(config, rank, gloo)
+        result["ddp"], result["wrong"], result["profile"] = _time_ddp(config, rank, gloo)
+        result["grad_bytes"] = _grad_bytes(config["model"])
+    if config["model"] and config["zero"]:
+        result["zero"], wrong = _time_zero(config, rank, gloo)
+        result["wrong"] = result.get("wrong", {}) | {f"zero {v}": text for v, text in wrong.items()}
     every = [None] * world
     dist.all_gather_object(every, result, group=gloo)
     if rank == 0:

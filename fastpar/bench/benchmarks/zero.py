@@ -78,7 +78,9 @@ class ZeroSettings:
 class Trainee:
     """One variant's model, optimizer and step."""
 
-    def __init__(self, variant: str, model_name: str, device: torch.device) -> None:
+    def __init__(self, variant: str, model_name: str, device: torch.device, torch_group=None) -> None:
+        """``torch_group``: the process group of torch's variants (``ddp``, ``zero_torch``) where it is not the
+        default one (``bench nodes``: gloo beside the "fastpar" backend)."""
         from ...ddp import DistributedDataParallel
         from ...zero import ShardedOptimizer
 
@@ -88,14 +90,20 @@ class Trainee:
         if variant == "no_comm":
             self.model, self.optimizer = module, _adamw(module.parameters())
         elif variant in ("ddp", "zero_torch"):
-            self.model = torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+            self.model = torch.nn.parallel.DistributedDataParallel(
+                module, device_ids=device_ids, process_group=torch_group
+            )
             if variant == "ddp":
                 self.optimizer = _adamw(self.model.parameters())
             else:
                 from torch.distributed.optim import ZeroRedundancyOptimizer
 
                 self.optimizer = ZeroRedundancyOptimizer(
-                    self.model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY
+                    self.model.parameters(),
+                    torch.optim.AdamW,
+                    process_group=torch_group,
+                    lr=LR,
+                    weight_decay=WEIGHT_DECAY,
                 )
         else:
             self.model = DistributedDataParallel(module, device_ids=device_ids)
