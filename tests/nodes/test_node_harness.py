@@ -149,3 +149,37 @@ def test_slurm_needs_nodes_that_are_up(tmp_path):
 def test_a_bad_rate_is_refused_with_the_form_to_use():
     with pytest.raises(ValueError, match="'1gbit'"):
         NodeCluster(2, link="1 gigabit")
+
+
+def test_the_command_line_runs_a_command_on_every_node_and_leaves_nothing(node_support):
+    command = ["sh", "-c", 'echo "$FASTPAR_NODE/$FASTPAR_NODES $(hostname) $FASTPAR_NODE0_ADDRESS"; exit $FASTPAR_NODE']
+    run = subprocess.Popen(
+        [sys.executable, "-m", "fastpar.nodes", "2", "--link", "none", "--", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = run.communicate(timeout=120)
+    assert sorted(out.split("\n")[:2]) == ["0/2 node0 10.213.0.1", "1/2 node1 10.213.0.1"], out
+    assert run.returncode == 1 and "node1 (10.213.0.2) exited with status 1" in err, err
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"{PREFIX}-{run.pid}-" not in listed
+
+
+def test_the_command_line_holds_the_nodes_until_it_is_stopped(node_support):
+    up = subprocess.Popen(
+        [sys.executable, "-m", "fastpar.nodes", "2", "--link", "100mbit"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        lines = [up.stdout.readline().strip() for _ in range(3)]
+        assert lines[0].startswith("node0 10.213.0.1: nsenter -t ") and lines[0].endswith(" bash"), lines
+        assert lines[2] == "links: 100mbit; Ctrl-C takes everything down", lines
+        entered = subprocess.run([*lines[1].split(": ", 1)[1].split()[:-1], "hostname"], capture_output=True, text=True)
+        assert entered.stdout.strip() == "node1", entered.stderr
+        mine = f"{PREFIX}-{up.pid}-"
+        assert mine in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    finally:
+        up.terminate()
+        status = up.wait(timeout=60)
+    assert status == 130
+    assert mine not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
