@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class NodeSlurm:
         self.cpus = cpus_per_node or len(os.sched_getaffinity(0))
         self.conf = self.folder / "slurm.conf"
         self._daemons: list[subprocess.Popen] = []
+        self._spool: str | None = None
 
     def __enter__(self) -> NodeSlurm:
         try:
@@ -83,6 +85,9 @@ class NodeSlurm:
             raise NodeHarnessError(why)
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / "ctld").mkdir(exist_ok=True)
+        # the job steps' sockets live in slurmd's spool folder, and a socket's path has at most 107 bytes: a short
+        # folder of its own, not one under the caller's (pytest's tmp_path alone can take 80)
+        self._spool = tempfile.mkdtemp(prefix="fpslurm-")
         self.conf.write_text(self._config())
         # `ip netns exec` gives each node a sysfs of its own, without the host's cgroup mounts: name the cgroup
         # plugin so that slurmd does not probe /sys/fs/cgroup (nothing here tracks or binds through cgroups)
@@ -92,8 +97,7 @@ class NodeSlurm:
         # -D: in the foreground, so that the daemon is this Popen and leaving kills it; -i: ignore old state
         self._daemons.append(self._start(head, ["slurmctld", "-D", "-i", "-f", str(self.conf)], env, "slurmctld"))
         for node in self.nodes:
-            spool = self.folder / f"spool-{node.hostname}"
-            spool.mkdir(exist_ok=True)
+            os.mkdir(os.path.join(self._spool, node.hostname))
             argv = ["slurmd", "-D", "-N", node.hostname, "-f", str(self.conf)]
             self._daemons.append(self._start(node, argv, env, f"slurmd-{node.hostname}"))
         self._wait_idle(timeout)
@@ -118,7 +122,7 @@ SlurmctldHost={head.hostname}({head.address})
 SlurmUser=root
 AuthType=auth/munge
 StateSaveLocation={f}/ctld
-SlurmdSpoolDir={f}/spool-%n
+SlurmdSpoolDir={self._spool}/%n
 SlurmctldPidFile={f}/slurmctld.pid
 SlurmdPidFile={f}/slurmd-%n.pid
 SlurmctldLogFile={f}/slurmctld.log
@@ -177,3 +181,6 @@ PartitionName={self.partition} Nodes={names} Default=YES MaxTime=INFINITE State=
                 daemon.kill()
                 daemon.wait()
         self._daemons.clear()
+        if self._spool:
+            shutil.rmtree(self._spool, ignore_errors=True)
+            self._spool = None

@@ -124,7 +124,7 @@ def test_fastpar_batch_on_a_slurm_across_nodes_is_bit_identical_to_one_machine(m
     out = tmp_path / "batch.pt"
     with NodeSlurm(nodes, tmp_path / "slurm") as slurm:
         argv = [sys.executable, "-u", str(SUBMIT), "2", "2", str(out), str(tmp_path / "jobs")]
-        done = nodes[0].run(argv, env=slurm.env(_env(**env)), capture_output=True, text=True, timeout=600)
+        done = nodes[0].run(argv, env=slurm.env(_env(**env)), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     _assert_same(torch.load(out), reference, "fastpar.batch on 2 Slurm nodes x 2 and one machine with 4 processes")
     logs = done.stdout.split("--- task 1 log ---")
