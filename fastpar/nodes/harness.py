@@ -28,6 +28,7 @@ from pathlib import Path
 
 PREFIX = "fpn"  # every namespace this harness makes: fpn-<owner pid>-<serial>-<n0|n1|...|sw>
 SUBNET = "10.213.0"  # node i is 10.213.0.(i + 1)/24 inside its own namespace: no host route can clash
+SPOOL_PREFIX = "fpslurm-"  # NodeSlurm's spool folders: fpslurm-<owner pid>-<random>, in the temporary folder
 _serial = itertools.count()
 _RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -109,10 +110,15 @@ def remove_stale() -> list[str]:
             _kill_netns_processes(netns)
             subprocess.run(["ip", "netns", "del", netns], capture_output=True)
             removed.append(netns)
-    for hosts in Path(tempfile.gettempdir()).glob(f"{PREFIX}-*-hosts-*"):
-        owner = hosts.name.split("-")[1]
-        if owner.isdigit() and not _pid_alive(int(owner)):
-            hosts.unlink(missing_ok=True)
+    tmp = Path(tempfile.gettempdir())
+    for left in [*tmp.glob(f"{PREFIX}-*-hosts-*"), *tmp.glob(f"{SPOOL_PREFIX}*-*")]:
+        owner = left.name.split("-")[1]
+        if not owner.isdigit() or _pid_alive(int(owner)):
+            continue
+        if left.is_dir():
+            shutil.rmtree(left, ignore_errors=True)
+        else:
+            left.unlink(missing_ok=True)
     return removed
 
 

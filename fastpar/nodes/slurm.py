@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .harness import NodeCluster, NodeHarnessError
+from .harness import SPOOL_PREFIX, NodeCluster, NodeHarnessError
 
 DAEMONS = ("slurmctld", "slurmd", "sinfo", "sbatch", "munge")
 
@@ -87,7 +87,7 @@ class NodeSlurm:
         (self.folder / "ctld").mkdir(exist_ok=True)
         # the job steps' sockets live in slurmd's spool folder, and a socket's path has at most 107 bytes: a short
         # folder of its own, not one under the caller's (pytest's tmp_path alone can take 80)
-        self._spool = tempfile.mkdtemp(prefix="fpslurm-")
+        self._spool = tempfile.mkdtemp(prefix=f"{SPOOL_PREFIX}{os.getpid()}-")
         self.conf.write_text(self._config())
         # `ip netns exec` gives each node a sysfs of its own, without the host's cgroup mounts: name the cgroup
         # plugin so that slurmd does not probe /sys/fs/cgroup (nothing here tracks or binds through cgroups)
@@ -103,7 +103,7 @@ class NodeSlurm:
         self._wait_idle(timeout)
 
     def _start(self, node, argv: list[str], env: dict[str, str], name: str) -> subprocess.Popen:
-        log = open(self.folder / f"{name}.out", "ab")  # noqa: SIM115 - the daemon's own stdout, closed at down
+        log = open(self.folder / f"{name}.out", "ab")  # noqa: SIM115 - the daemon writes to its own copy
         try:
             return node.popen(argv, cwd=str(self.folder), env=env, stdout=log, stderr=subprocess.STDOUT)
         finally:
