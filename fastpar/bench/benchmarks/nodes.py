@@ -8,7 +8,9 @@ each (rank r on node r // P) and times, in interleaved rounds on the same ranks:
   within a node, gloo among the node leaders) and on gloo (the peer). The floor is the link's rate: an all-reduce
   over K nodes must move 2(K-1)/K of the buffer out of each node, so ``size x 2(K-1)/K / rate`` seconds;
 - a DDP training step of ``--model`` (ddp_variants): torch DDP on gloo (the peer), fastpar's DDP in fp32 and
-  with bf16 gradients on the "fastpar" backend, and the model without communication (the compute floor);
+  with bf16 gradients on the "fastpar" backend, and the model without communication (the compute floor); then a
+  profile of rank 0's step per variant (forward, backward, its wait for the wire, optimizer) beside the gradients'
+  link floor and the best step the wire allows;
 - a ZeRO step of the same model with AdamW (unless ``--no-zero``): torch's ZeroRedundancyOptimizer over torch DDP
   on gloo (the peer), fastpar's ZeRO-1 and ZeRO-2 (``ShardedOptimizer``) on the "fastpar" backend, and the floor.
 
