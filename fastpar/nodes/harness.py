@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -265,7 +266,7 @@ class NodeCluster:
         enter its namespaces."""
         script = (
             f"hostname {hostname} && mount -t tmpfs -o mode=1777,size={self.shm_size} fastpar-node-shm /dev/shm"
-            f" && mount --bind {self._hosts_file} /etc/hosts && echo ready && exec sleep infinity"
+            f" && mount --bind {shlex.quote(self._hosts_file)} /etc/hosts && echo ready && exec sleep infinity"
         )
         holder = subprocess.Popen(
             [
