@@ -202,6 +202,11 @@ def _profile_lines(flags, first: dict, rate_bits: float, peer_s: float, labels: 
     return lines
 
 
+def _step_row(label: str, seconds: float, peer: float, steps: dict[str, float]) -> dict:
+    """A training step's row: its time, against the peer's and against the model without communication."""
+    return {"what": label, "ms": seconds * 1e3, "vs_peer": seconds / peer, "vs_floor": seconds / steps["no_comm"]}
+
+
 def _report(ctx: BenchContext, every: list[dict], nbytes: int, rate_bits: float) -> BenchReport:
     flags = ctx.flags
     first = every[0]
@@ -262,14 +267,7 @@ def _report(ctx: BenchContext, every: list[dict], nbytes: int, rate_bits: float)
             "no_comm": "DDP step: no communication (floor)",
         }
         for v in ("ddp_gloo", "fastpar_fp32", "fastpar_bf16", "no_comm", *_extra(flags)):
-            report.rows.append(
-                {
-                    "what": labels.get(v, f"DDP step: {v} (fastpar backend)"),
-                    "ms": steps[v] * 1e3,
-                    "vs_peer": steps[v] / peer,
-                    "vs_floor": steps[v] / steps["no_comm"],
-                }
-            )
+            report.rows.append(_step_row(labels.get(v, f"DDP step: {v} (fastpar backend)"), steps[v], peer, steps))
         report.header["ddp"] = (
             f"model {flags.model}, batch {flags.batch}/rank, {flags.steps} steps per round, SGD, "
             f"{ctx.threads} thread(s) per rank"
@@ -290,14 +288,7 @@ def _report(ctx: BenchContext, every: list[dict], nbytes: int, rate_bits: float)
             "no_comm": "ZeRO step: no communication (floor)",
         }
         for v, label in labels.items():
-            report.rows.append(
-                {
-                    "what": label,
-                    "ms": steps[v] * 1e3,
-                    "vs_peer": steps[v] / peer,
-                    "vs_floor": steps[v] / steps["no_comm"],
-                }
-            )
+            report.rows.append(_step_row(label, steps[v], peer, steps))
         report.header["zero"] = (
             f"model {flags.model}, AdamW, batch {flags.batch}/rank, {flags.steps} steps per round; each step waits "
             "for its parameters' all-gather; no goal is set for these rows"

@@ -50,25 +50,38 @@ def _time_all_reduce(numel: int, groups: dict, config: dict, gloo) -> dict[str, 
     return seconds
 
 
-def _time_ddp(config: dict, rank: int, gloo) -> tuple[dict[str, list[float]], dict[str, str]]:
-    from .ddp_variants import MODELS, Trainee
+def _batch(config: dict, rank: int, models: dict) -> torch.Tensor:
+    """This rank's input batch for ``config["model"]`` (each rank its own)."""
+    width = models[config["model"]][0]
+    return torch.randn(config["batch"], width, generator=torch.Generator().manual_seed(100 + rank))
 
-    variants = DDP + tuple(config["extra_variants"])
 
-    width = MODELS[config["model"]][0]
-    x = torch.randn(config["batch"], width, generator=torch.Generator().manual_seed(100 + rank))
-    trainees = {v: Trainee(v, config["model"], torch.device("cpu"), lr=0.01, gloo_group=gloo) for v in variants}
-    for trainee in trainees.values():
+def _time_steps(steps: dict, x: torch.Tensor, config: dict, gloo) -> dict[str, list[float]]:
+    """Seconds per step of each variant's ``steps[v](x)``: warm-up, then ``rounds`` interleaved rounds of
+    ``config["steps"]`` steps (who goes first rotates), the ranks lined up by a barrier before each."""
+    for step in steps.values():
         for _ in range(config["warmup"]):
-            trainee.step(x)
+            step(x)
+    variants = list(steps)
     seconds: dict[str, list[float]] = {v: [] for v in variants}
     for round_ in range(config["rounds"]):
         for v in variants[round_ % len(variants) :] + variants[: round_ % len(variants)]:
             dist.barrier(group=gloo)
             start = time.perf_counter()
             for _ in range(config["steps"]):
-                trainees[v].step(x)
+                steps[v](x)
             seconds[v].append((time.perf_counter() - start) / config["steps"])
+    return seconds
+
+
+def _time_ddp(config: dict, rank: int, gloo) -> tuple[dict[str, list[float]], dict[str, str]]:
+    from .ddp_variants import MODELS, Trainee
+
+    variants = DDP + tuple(config["extra_variants"])
+
+    x = _batch(config, rank, MODELS)
+    trainees = {v: Trainee(v, config["model"], torch.device("cpu"), lr=0.01, gloo_group=gloo) for v in variants}
+    seconds = _time_steps({v: t.step for v, t in trainees.items()}, x, config, gloo)
     profile = _profile_ddp(trainees, x, config, gloo)
     wrong = {}
     for v, trainee in trainees.items():  # every rank holds the same parameters (no_comm trains alone)
@@ -119,21 +132,9 @@ def _time_zero(config: dict, rank: int, gloo) -> tuple[dict[str, list[float]], d
     from .ddp_variants import MODELS
     from .zero import Trainee
 
-    variants = ZERO
-    width = MODELS[config["model"]][0]
-    x = torch.randn(config["batch"], width, generator=torch.Generator().manual_seed(100 + rank))
-    trainees = {v: Trainee(v, config["model"], torch.device("cpu"), torch_group=gloo) for v in variants}
-    for trainee in trainees.values():
-        for _ in range(config["warmup"]):
-            trainee.timed_step(x)
-    seconds: dict[str, list[float]] = {v: [] for v in variants}
-    for round_ in range(config["rounds"]):
-        for v in variants[round_ % len(variants) :] + variants[: round_ % len(variants)]:
-            dist.barrier(group=gloo)
-            start = time.perf_counter()
-            for _ in range(config["steps"]):
-                trainees[v].timed_step(x)
-            seconds[v].append((time.perf_counter() - start) / config["steps"])
+    x = _batch(config, rank, MODELS)
+    trainees = {v: Trainee(v, config["model"], torch.device("cpu"), torch_group=gloo) for v in ZERO}
+    seconds = _time_steps({v: t.timed_step for v, t in trainees.items()}, x, config, gloo)
     wrong = {}
     reference = trainees["zero_torch"].flat_params()
     for v, trainee in trainees.items():  # the same steps on the same batches: torch's ZeRO's parameters, bit for bit
