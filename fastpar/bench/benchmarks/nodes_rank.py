@@ -74,7 +74,9 @@ def _time_steps(steps: dict, x: torch.Tensor, config: dict, gloo) -> dict[str, l
     return seconds
 
 
-def _time_ddp(config: dict, rank: int, gloo) -> tuple[dict[str, list[float]], dict[str, str]]:
+def _time_ddp(config: dict, rank: int, gloo) -> tuple[dict[str, list[float]], dict[str, str], dict, int]:
+    """Seconds per step of each DDP variant, what came out wrong, the step profile, and the model's fp32 gradient
+    bytes."""
     from .ddp_variants import MODELS, Trainee
 
     variants = DDP + tuple(config["extra_variants"])
@@ -90,7 +92,8 @@ def _time_ddp(config: dict, rank: int, gloo) -> tuple[dict[str, list[float]], di
         dist.broadcast(first, 0, group=gloo)
         if v != "no_comm" and not torch.equal(mine, first):
             wrong[v] = f"rank {rank}'s parameters differ from rank 0's"
-    return seconds, wrong, profile
+    grad_bytes = sum(p.numel() * 4 for p in trainees["no_comm"].model.parameters())
+    return seconds, wrong, profile, grad_bytes
 
 
 def _profile_ddp(trainees: dict, x: torch.Tensor, config: dict, gloo) -> dict[str, dict[str, float]]:
@@ -118,12 +121,6 @@ def _profile_ddp(trainees: dict, x: torch.Tensor, config: dict, gloo) -> dict[st
             rows["wait"].append(stats()["wait_s"] if stats is not None else float("nan"))
             rows["optimizer"].append(t3 - t2)
     return {v: {k: sorted(vals)[len(vals) // 2] for k, vals in rows.items()} for v, rows in phases.items()}
-
-
-def _grad_bytes(model: str) -> int:
-    from .training_step import build_model
-
-    return sum(p.numel() * 4 for p in build_model(model).parameters())
 
 
 def _time_zero(config: dict, rank: int, gloo) -> tuple[dict[str, list[float]], dict[str, str]]:
@@ -161,8 +158,7 @@ def main(rank: int, world: int, address: str, port: str, out: str, config: dict)
         _check_all_reduce(numel, group, rank, world)
     result["allreduce"] = _time_all_reduce(numel, groups, config, gloo)
     if config["model"]:
-        result["ddp"], result["wrong"], result["profile"] = _time_ddp(config, rank, gloo)
-        result["grad_bytes"] = _grad_bytes(config["model"])
+        result["ddp"], result["wrong"], result["profile"], result["grad_bytes"] = _time_ddp(config, rank, gloo)
     if config["model"] and config["zero"]:
         result["zero"], wrong = _time_zero(config, rank, gloo)
         result["wrong"] = result.get("wrong", {}) | {f"zero {v}": text for v, text in wrong.items()}
