@@ -28,10 +28,10 @@ VARIANTS: dict[str, dict | None] = {
     "fsdp2_pairs_by_hand": {"by_hand": True, "per_unit": 2},
     "fsdp_layers": {"wrap": "auto"},
     "fsdp_layers_reshard_last": {"wrap": "auto", "reshard_last": True},
-    "fsdp_layers_stock_rs": {"wrap": "auto", "stock_reduce_scatter": True},
+    "fsdp_layers_stock_collectives": {"wrap": "auto", "stock_collectives": True},
+    "fsdp_layers_no_prefetch": {"wrap": "auto", "prefetch": 0},
     "fsdp_layers_keep": {"wrap": "auto", "reshard_after_forward": False},
-    "fsdp_layers_prefetch": {"wrap": "auto", "prefetch": 1},
-    "fsdp_layers_keep_prefetch": {"wrap": "auto", "reshard_after_forward": False, "prefetch": 1},
+    "fsdp_layers_keep_no_prefetch": {"wrap": "auto", "reshard_after_forward": False, "prefetch": 0},
     "fsdp_root": {"wrap": "root"},
     "fsdp_root_keep": {"wrap": "root", "reshard_after_forward": False},
 }
@@ -64,15 +64,16 @@ def _trainee(keywords: dict | None):
     else:
         keywords = dict(keywords)
         reshard_last = keywords.pop("reshard_last", False)
-        stock_reduce_scatter = keywords.pop("stock_reduce_scatter", False)
+        stock_collectives = keywords.pop("stock_collectives", False)
         model = fastpar.fully_shard_model(build, seed=0, **keywords)
-        if stock_reduce_scatter:  # undo the gloo reduce-scatter replacement, to measure it
+        if stock_collectives:  # undo the gloo point-to-point exchanges (shard/gloo_exchange.py), to measure them
             from torch.distributed.fsdp import FSDPModule
-            from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+            from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
             for unit in model.modules():
                 if isinstance(unit, FSDPModule):
                     unit.set_custom_reduce_scatter(DefaultReduceScatter())
+                    unit.set_custom_all_gather(DefaultAllGather())
         if reshard_last:  # undo fully_shard_model's choice to keep the last unit gathered, to measure it
             units = [m for m in model.modules() if m is not model and hasattr(m, "set_reshard_after_forward")]
             units[-1].set_reshard_after_forward(True)

@@ -9,6 +9,8 @@ from a clone's root), in its own process: ``python block.py``, ``torchrun --npro
     <!-- run -->                      python blocks run without it; bash blocks need it
     <!-- run: torchrun=2 slow -->     with N ranks; slow: only in the full suite
     <!-- run: cuda -->                needs a GPU (skipped without one)
+    <!-- run: slurm -->               needs Slurm's daemons and a munge that answers (skipped without them, as
+                                      tests/nodes/ is; scripts/slurm-up.sh provides both, and CI runs it first)
     <!-- run: expect=TEXT -->         TEXT must appear in the output (last option: the rest of the comment)
     <!-- run: output -->              the ```text block that follows shows the output: each of its lines
                                       appears in the output, in order (it may be an excerpt)
@@ -54,6 +56,7 @@ class Block:
     torchrun: int = 0
     slow: bool = False
     cuda: bool = False
+    slurm: bool = False
     expect: list[str] = field(default_factory=list)
     output: bool = False  # compare with the shown output: the ```text block right after this one
     vary: str = ""  # a regular expression: what may differ between runs in a line of the shown output
@@ -84,6 +87,8 @@ def _parse_options(block: Block, text: str) -> None:
             block.slow = True
         elif word == "cuda":
             block.cuda = True
+        elif word == "slurm":
+            block.slurm = True
         elif word == "output":
             block.output = True
         else:
@@ -165,6 +170,12 @@ def _sandbox(tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize("block", list(_params()))
 def test_code_block_runs_as_written(block: Block, tmp_path):
+    if block.slurm:
+        from fastpar.nodes.slurm import slurm_available
+
+        ready, why = slurm_available()
+        if not ready:
+            pytest.skip(why)
     env = _sandbox(tmp_path)
     code = _expand_snippets(block.code)
     if block.lang == "bash":

@@ -29,6 +29,7 @@ LAYERS = {
     "fastpar.rendezvous": 9,  # where the stores listen, how an agent reaches the rendezvous
     "fastpar.nodes": 8,  # nodes on one machine (namespaces, shaped links) for multi-node tests and benchmarks
     "fastpar.host": 5,
+    "fastpar.tensor_storage": 5,  # the one storage counter of every memory report
     "fastpar.user_errors": 5,
     "fastpar.safe_files": 6,  # writing in folders others may write: no symlink followed, no foreign folder
     "fastpar._optional": 5,

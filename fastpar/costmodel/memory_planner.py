@@ -136,12 +136,19 @@ def plan(
         activation_scale=(measured.float_share * DTYPES[param_dtype] / 4 + 1 - measured.float_share),
     )
     comm, costs, comm_text = comm_model(profile=profile, fabric=fabric, on_gpu=on_gpu, backend=backend)
+    # point-to-point messages (ZeRO's exchange, the pipeline's sends) on the fastpar backend travel over gloo: its
+    # shared memory runs the collectives only, so they are priced with gloo's profile unless one was given
+    p2p_comm = comm
+    if not on_gpu and backend == "fastpar" and profile is None and fabric is None:
+        p2p_comm = comm_model(on_gpu=False, backend="gloo")[0]
     total_bytes = sum(layer.numel for layer in layers) * sizes.param
     # the runtime's rule (bucket_caps.py); shared buckets on the fastpar backend, with the cores of this host
     caps = tuple(bucket_caps(total_bytes, "cuda" if on_gpu else "cpu", devices, shared_buckets=backend == "fastpar"))
     context = _Context(layers, measured, sizes, devices, optimizer, comm, costs, opt_s, caps, on_gpu, seq_len, usable)
+    context.p2p_comm = p2p_comm
     if "fsdp" in strategies:
         context.units = spec.fsdp_units()
+        context.fsdp_point_to_point = not on_gpu and backend != "fastpar"  # gloo (the CPU default): gloo_exchange.py
     if activation_checkpointing is not False:
         context.checkpointed = _checkpointable(spec, layers)
         context.checkpointing = (
@@ -225,6 +232,8 @@ class _Context:
     # the blocks activation checkpointing (blocks="auto") would wrap, each as the (first, last) of its probed layers
     checkpointed: tuple[tuple[int, int], ...] = ()
     checkpointing: tuple[bool, ...] = (False,)  # the variants priced: without, with, or both
+    fsdp_point_to_point: bool = False  # FSDP2 on gloo: fastpar's point-to-point gather and reduce-scatter
+    p2p_comm: Any = None  # prices point-to-point messages (on the fastpar backend: gloo's); None: ``comm``
 
     def activations(self, batch: float) -> list[float]:
         return [b * self.sizes.activation_scale for b in self.measured.activation_bytes(batch, self.seq_len)]
@@ -242,6 +251,10 @@ class _Context:
         full = options | stage_internals(self, options, batch_size) if strategy == "pipeline" else options
         if strategy == "fsdp" and self.units is not None:
             full = full | {"units": self.units}
+        if strategy == "fsdp":
+            full = full | {"point_to_point": self.fsdp_point_to_point}
+        if strategy in ("zero1", "zero2", "pipeline") and self.p2p_comm is not None:
+            full = full | {"p2p_comm": self.p2p_comm}
         buckets = bucket_members(self.layers, self.caps[1], self.caps[0], self.sizes.param)
         acts, recompute = self.activations(batch_size), None
         outputs = [o * self.sizes.activation_scale for o in self.measured.output_bytes(batch_size, self.seq_len)]

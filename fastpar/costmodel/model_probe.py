@@ -25,6 +25,7 @@ from statistics import median
 import torch
 from torch import nn
 
+from ..tensor_storage import StorageCounter
 from ..user_errors import UserError
 from .model_spec import ModelSpec, model_layers
 
@@ -76,11 +77,13 @@ class ProbeResult:
 class _SavedTensorCounter:
     """Counts saved-tensor storages per layer; knows which layer is running through forward hooks."""
 
-    def __init__(self, module: nn.Module, layers: list[tuple[str, nn.Module | None, bool]], exclude: set[int]):
+    def __init__(
+        self, module: nn.Module, layers: list[tuple[str, nn.Module | None, bool]], exclude: list[torch.Tensor]
+    ):
         self.bytes = [0.0] * len(layers)
         self.outputs = [0.0] * len(layers)
         self.float_bytes = 0.0
-        self.seen = set(exclude)
+        self.storages = StorageCounter(exclude)
         self.current = None
         self.last = len(layers) - 1 if layers else 0
         self.handles = []
@@ -98,23 +101,17 @@ class _SavedTensorCounter:
         self.outputs[i] = float(sum(t.numel() * t.element_size() for t in _input_tensors(out)))
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        key = storage._cdata  # one StorageImpl per allocation, shared by all views of it (meta tensors too)
-        if key not in self.seen:
-            self.seen.add(key)
+        nbytes = self.storages.count([t])  # each storage once: all views of an allocation (meta tensors too)
+        if nbytes:
             where = self.current if self.current is not None else self.last
-            self.bytes[where] += storage.nbytes()
+            self.bytes[where] += nbytes
             if t.is_floating_point():
-                self.float_bytes += storage.nbytes()
+                self.float_bytes += nbytes
         return t
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-def _storage_keys(tensors) -> set[int]:
-    return {t.untyped_storage()._cdata for t in tensors}
 
 
 def _input_tensors(batch) -> list[torch.Tensor]:
@@ -147,7 +144,7 @@ def _forward(spec: ModelSpec, module: nn.Module, batch):
 
 
 def _saved_bytes(spec: ModelSpec, module: nn.Module, layers, batch) -> tuple[list[float], float, list[float]]:
-    exclude = _storage_keys([*module.parameters(), *module.buffers(), *_input_tensors(batch)])
+    exclude = [*module.parameters(), *module.buffers(), *_input_tensors(batch)]
     counter = _SavedTensorCounter(module, layers, exclude)
     try:
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):

@@ -14,8 +14,9 @@ What each strategy keeps, per device of ``N`` (``P`` parameter elements; itemsiz
   buffer (reduced from its own gradient), its point-to-point scratch.
 - ``fsdp``: parameters, gradients and state as shards; each parameter's dim 0 padded to a multiple of N (as
   ``fully_shard`` does). In flight: the root unit (never resharded), the largest unit gathered plus the next
-  one prefetched, and one unit's unsharded gradients before its reduce-scatter; with
-  ``reshard_after_forward=False`` every unit stays gathered from forward to backward.
+  one prefetched, and one unit's unsharded gradients before its reduce-scatter (on gloo with the (N-1)/N
+  scratch its point-to-point reduce-scatter receives into); with ``reshard_after_forward=False`` every unit
+  stays gathered from forward to backward.
 - ``pipeline``: a stage's layers whole (the largest stage counts); ``dp = N / S`` replicas of each stage
   synchronise like DDP. Activations of the microbatches in flight: with 1F1B stage s holds min(S - s, M)
   of them (the first stage the most), with GPipe all M.
@@ -353,7 +354,9 @@ def _strategy_memory(
         else:
             gathered = numel
         unsharded_grads = root + largest  # the root's until the end of backward, one unit's until its reduce-scatter
-        buffers = gathered * pb + unsharded_grads * max(pb, rb)
+        # on gloo the point-to-point reduce-scatter receives the peers' chunks of that unit into a scratch
+        scratch = largest * (n - 1) / n * rb if options.get("point_to_point") and n > 1 else 0
+        buffers = int(gathered * pb + unsharded_grads * max(pb, rb) + scratch)
         largest_shard = max(
             (_fsdp_shard_numel([shape], n) for layer in layers for shape in layer.param_shapes), default=0
         )

@@ -12,7 +12,8 @@ priced by a calibrated profile or a fabric (collective_costs) and overlapped as 
   reduce-scatter of its gradients after it, each with FSDP2's copies into and out of the flat buffers
   (priced at the profile's copy bandwidth). On GPUs the wire runs one collective at a time under the
   compute, the next unit's gather prefetched while this one computes; on CPU ranks the collectives and the
-  compute share the cores, so they are taken one after the other.
+  compute share the cores, so they are taken one after the other. On gloo the gathers and reduce-scatters are
+  fastpar's point-to-point exchanges, priced as ZeRO's: each way the bytes of half an all-reduce.
 - ``pipeline``: M microbatches through S stages: (M + S - 1) slots of the slowest stage's forward + backward
   (interleaved 1F1B with V stages per rank: (V M + S - 1) slots of the slowest of its S V stages)
   of one microbatch and its two point-to-point messages (the bubble is (S - 1) / (M + S - 1) of it), then
@@ -111,7 +112,8 @@ def strategy_step_seconds(
     options: dict,
 ) -> float:
     """Seconds of one step of ``strategy``; ``forward``/``backward``: seconds per layer at the per-rank batch
-    (for pipeline, ``options`` carries ``stage_layers``, ``microbatches``, ``boundary_bytes``)."""
+    (for pipeline, ``options`` carries ``stage_layers``, ``microbatches``, ``boundary_bytes``; for fsdp
+    ``point_to_point``: the gathers and reduce-scatters are fastpar's point-to-point exchanges, on gloo)."""
     n = devices
     numel = sum(layer.numel for layer in layers)
     if strategy in ("ddp", "zero1", "zero2"):
@@ -123,7 +125,8 @@ def strategy_step_seconds(
         elif on_gpu:
             wire = lambda b: comm("reducescatter", b, n)  # noqa: E731
         else:  # ZeRO's point-to-point exchange on CPU ranks moves the bytes of half an all-reduce, either way
-            wire = lambda b: comm("allreduce", b, n) / 2  # noqa: E731
+            p2p = options.get("p2p_comm", comm)  # on the fastpar backend it travels over gloo
+            wire = lambda b: p2p("allreduce", b, n) / 2  # noqa: E731
         # gradients are bucket views (nothing packed); DDP averages each bucket after it, ZeRO only its shard
         sync = replace(
             costs, pack_s_per_byte=0.0, unpack_s_per_byte=costs.unpack_s_per_byte if strategy == "ddp" else 0.0
@@ -138,11 +141,23 @@ def strategy_step_seconds(
         forward_s = _overlapped(sum(forward), gather, costs)
         return forward_s + backward_and_sync + optimizer_s_per_element * numel / n
     if strategy == "fsdp":
+        if options.get("point_to_point"):  # each way the bytes of half an all-reduce, as ZeRO's exchange
+            comm = _point_to_point(comm)
         return _fsdp_seconds(
             layers, forward, backward, n, comm, param_itemsize, reduce_itemsize, on_gpu, options, costs
         ) + (optimizer_s_per_element * numel / n)
     if strategy == "pipeline":
-        return _pipeline_seconds(layers, forward, backward, n, comm, reduce_itemsize, optimizer_s_per_element, options)
+        return _pipeline_seconds(
+            layers,
+            forward,
+            backward,
+            n,
+            comm,
+            options.get("p2p_comm", comm),
+            reduce_itemsize,
+            optimizer_s_per_element,
+            options,
+        )
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
@@ -155,6 +170,16 @@ class _Wire:
     def run(self, issued: float, seconds: float) -> float:
         self.free = max(self.free, issued) + seconds
         return self.free
+
+
+def _point_to_point(comm: Comm) -> Comm:
+    """FSDP2's gather and reduce-scatter as fastpar's point-to-point exchanges on gloo (shard/gloo_exchange.py):
+    each moves the bytes of half a ring all-reduce of the unit, either way."""
+
+    def priced(op: str, nbytes: float, ranks: int) -> float:
+        return comm("allreduce", nbytes, ranks) / 2 if op in ("allgather", "reducescatter") else comm(op, nbytes, ranks)
+
+    return priced
 
 
 def _fsdp_seconds(layers, forward, backward, n, comm, param_itemsize, reduce_itemsize, on_gpu, options, costs):
@@ -170,10 +195,7 @@ def _fsdp_seconds(layers, forward, backward, n, comm, param_itemsize, reduce_ite
 
     def scattered(numel: int) -> tuple[float, float]:
         nbytes = numel * reduce_itemsize
-        wire = comm("reducescatter", nbytes, n)
-        if not on_gpu:  # on gloo fastpar's FSDP2 reduces as an all-reduce and a slice where that is faster
-            wire = min(wire, comm("allreduce", nbytes, n))
-        return wire, nbytes * (1 + 1 / n) * copy
+        return comm("reducescatter", nbytes, n), nbytes * (1 + 1 / n) * copy
 
     reshard = options.get("reshard_after_forward", True)
     wire = _Wire()
@@ -209,13 +231,15 @@ def _fsdp_seconds(layers, forward, backward, n, comm, param_itemsize, reduce_ite
     return wire.run(now, w) + c
 
 
-def _pipeline_seconds(layers, forward, backward, n, comm, reduce_itemsize, optimizer_s_per_element, options) -> float:
+def _pipeline_seconds(
+    layers, forward, backward, n, comm, p2p_comm, reduce_itemsize, optimizer_s_per_element, options
+) -> float:
     stages = options["stage_layers"]  # stages x virtual stages; rank r runs r, r + S, ...
     s_count, m = options.get("stages", len(stages)), options["microbatches"]
     virtual = len(stages) // s_count
     per_batch = options["stage_batch_scale"]  # a stage's microbatch relative to the per-rank batch timed
     slot = max(sum(forward[i] + backward[i] for i in members) * per_batch for members in stages)
-    p2p = 2 * comm("p2p", options["boundary_bytes"], 2) if len(stages) > 1 else 0.0
+    p2p = 2 * p2p_comm("p2p", options["boundary_bytes"], 2) if len(stages) > 1 else 0.0
     dp = n // s_count
     stage_numel = max(
         sum(layers[i].numel for k in range(r, len(stages), s_count) for i in stages[k]) for r in range(s_count)

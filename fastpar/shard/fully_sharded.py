@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..tensor_storage import storage_bytes
 from .meta_init import InitFn, build_on_meta, materialize_shards
 from .precision import PrecisionSpec, precision_policy
-from .tensor_bytes import storage_bytes
 from .wrap_policy import WrapPolicy, select_units
 
 ModelOrBuilder = nn.Module | Callable[[], nn.Module]
@@ -37,7 +37,7 @@ def fully_shard_model(
     device: torch.device | str | None = None,
     seed: int = 0,
     init_fn: InitFn | None = None,
-    prefetch: int = 0,
+    prefetch: int | None = None,
 ) -> nn.Module:
     """Shard a model over ``group`` with FSDP2 and return it (the same module object, now an ``FSDPModule``).
 
@@ -61,15 +61,17 @@ def fully_shard_model(
       NCCL, else the CPU.
     - ``init_fn``: ``init_fn(module)`` for every module after ``reset_parameters()``, as ``model.apply`` calls it.
     - ``prefetch``: all-gather the next ``prefetch`` units explicitly while one unit computes, forward and
-      backward, in the order the units run (0: torch's implicit backward prefetch only).
+      backward, in the order the units run (0: torch's implicit backward prefetch only). ``None`` (default): 1
+      on CPU ranks, where the gathers ahead are issued asynchronously (``async_op=True``; CPU tensors have no
+      streams, so without it nothing overlaps), 0 on GPUs, where torch's streams overlap them already.
 
     The order the units run in is recorded at the first forward (``model._fastpar_unit_order``): where it is not
     the registration order (an encoder-decoder registered decoder first, a ``ModuleDict``), the prefetch lists
     and the unit kept after forward follow it from then on. A unit that runs twice or not at all in that forward
     leaves the registration order in place.
 
-    On gloo, gradients are reduce-scattered as an all-reduce and a slice (:mod:`.gloo_reduce_scatter`):
-    faster there, and the same sums bit for bit.
+    On gloo, parameters are all-gathered and gradients reduce-scattered by point-to-point exchanges
+    (:mod:`.gloo_exchange`): faster there, and the same sums bit for bit as gloo's all-reduce.
 
     Raises ``ValueError`` (:class:`~fastpar.shard.WrapError` for the units) before anything is sharded when
     the model, the units or the precision can't work, saying what to change.
@@ -83,8 +85,8 @@ def fully_shard_model(
         )
     group = group if group is not None else dist.group.WORLD
     _check_reshard(reshard_after_forward, dist.get_world_size(group))
-    if not isinstance(prefetch, int) or prefetch < 0:
-        raise ValueError(f"prefetch={prefetch!r}: give the number of units to all-gather ahead (0 or more)")
+    if prefetch is not None and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0):
+        raise ValueError(f"prefetch={prefetch!r}: give the number of units to all-gather ahead (0 or more), or None")
 
     on_meta = not isinstance(model_or_builder, nn.Module)
     if on_meta:
@@ -125,14 +127,19 @@ def fully_shard_model(
     root_reshard = None if reshard_after_forward is True else reshard_after_forward
     fully_shard(model, mesh=mesh, reshard_after_forward=root_reshard, mp_policy=policy)
     if dist.get_backend(group) == "gloo":
-        from .gloo_reduce_scatter import AllReduceThenSlice
+        from .gloo_exchange import PointToPointAllGather, PointToPointReduceScatter
 
         for unit in [*inner, model]:
-            unit.set_custom_reduce_scatter(AllReduceThenSlice())
+            unit.set_custom_reduce_scatter(PointToPointReduceScatter())
+            unit.set_custom_all_gather(PointToPointAllGather())
     if on_meta:
         materialize_shards(model, record, device, group=group)
+    if prefetch is None:  # CPU ranks have no streams: only an asynchronous gather ahead overlaps with compute
+        prefetch = 1 if device.type == "cpu" else 0
     if prefetch:
         _set_prefetch(inner, prefetch)
+        if device.type == "cpu":  # a synchronous prefetch on CPU would only move the wait
+            model._set_unshard_async_op(True)
     _follow_execution_order(model, inner, units[:-1], prefetch, keep_last=reshard_after_forward is True)
     return model
 

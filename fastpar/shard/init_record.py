@@ -32,6 +32,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..tensor_storage import storage_key
+
 __all__ = ["ConstructionRecord", "Unreplayable", "named_model_tensors", "record_construction"]
 
 _NOT_REPLAYED = {torch._C._set_grad_enabled}  # the replay runs under no_grad as a whole
@@ -46,9 +48,9 @@ def _poison(out: Any) -> None:
             t.fill_(float("nan"))
 
 
-def _key(t: torch.Tensor) -> int:
+def _key(t: torch.Tensor) -> tuple[str, int]:
     """Identity of a tensor's storage: views, ``.data`` and a Parameter made from a tensor share it."""
-    return t.untyped_storage()._cdata
+    return storage_key(t)
 
 
 def _name(func: Any) -> str:
@@ -113,7 +115,7 @@ class ConstructionRecord:
         for key, i in last_use.items():
             finished_at.setdefault(i, []).append(key)
         real: dict[int, torch.Tensor] = {}  # id(meta tensor object) -> its real tensor
-        by_key: dict[int, list[int]] = {}  # storage -> ids of the meta objects mapped in `real`
+        by_key: dict[tuple[str, int], list[int]] = {}  # storage -> ids of the meta objects mapped in `real`
         kept: set[str] = set()
 
         def to_real(x: Any) -> Any:

@@ -5,7 +5,7 @@ The peak comes from torch's own trackers: on CPU ``torch.distributed._tools.mem_
 dispatch mode that sees every tensor the step allocates and frees, categorised as parameters, gradients,
 activations, temporaries, optimizer state); on CUDA ``torch.cuda.max_memory_allocated`` after
 ``reset_peak_memory_stats``. The state between steps is counted from the tensors themselves, each storage
-once (:func:`~fastpar.shard.tensor_bytes.storage_bytes`): the model's parameters, buffers and gradients, the
+once (:func:`~fastpar.tensor_storage.storage_bytes`): the model's parameters, buffers and gradients, the
 optimizer's state, and whatever else the optimizer declares it holds (``memory_tensors()``: ZeRO's flat buffers,
 gradient pool and point-to-point scratch).
 
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .tensor_bytes import storage_bytes
+from ..tensor_storage import storage_bytes, storage_key
 
 __all__ = ["PeakTracker", "StepMemory", "held_tensors", "measure_step", "state_bytes"]
 
@@ -158,21 +158,14 @@ class PeakTracker:
         known: set[tuple[str, int]] = set()
         if getattr(optimizer, "memory_tensors", None) is None and optimizer is not None:
             tracker.track_external(getattr(optimizer, "optimizer", optimizer))  # its state, as optimizer state
-            known |= {_storage_key(t) for t in held["optimizer_state"]}
+            known |= {storage_key(t) for t in held["optimizer_state"]}
         # the rest as "Other" (ZeRO's flat buffers, pool, scratch; its state until its step names it): a storage
         # the tracker knows already would be recategorised, so it is left out
-        known |= {_storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
-        known |= {_storage_key(p.grad) for m in modules for p in m.parameters() if p.grad is not None}
+        known |= {storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+        known |= {storage_key(p.grad) for m in modules for p in m.parameters() if p.grad is not None}
         rest = {}
         for key in STATE_KEYS:
             for t in held[key]:
-                rest.setdefault(_storage_key(t), t)
+                rest.setdefault(storage_key(t), t)
         tracker.track_external(*(t for k, t in rest.items() if k not in known))
         return tracker
-
-
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    from torch.distributed.tensor import DTensor
-
-    local = t.to_local() if isinstance(t, DTensor) else t
-    return str(local.device), local.untyped_storage().data_ptr()

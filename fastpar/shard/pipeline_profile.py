@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..tensor_storage import StorageCounter, storage_bytes
 from ..user_errors import UserError
 
 HOW_TO_EXPRESS = (
@@ -97,24 +98,24 @@ def microbatch_of(example_input: torch.Tensor, microbatches: int) -> torch.Tenso
 
 
 def _bytes(tensors) -> int:
-    """Bytes of distinct tensors (a parameter shared by two layers counted once)."""
-    return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
+    """Bytes of distinct storages (a parameter shared by two layers counted once)."""
+    return storage_bytes(tensors)
 
 
 def _saved_activation_bytes(layer: nn.Module, inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(output, bytes of the non-parameter tensors autograd saved in the forward), each storage counted once."""
-    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-    saved: dict[int, int] = {}
+    counter = StorageCounter(exclude=layer.parameters())
+    saved = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and storage.device.type != "meta":
-            saved[storage.data_ptr()] = storage.nbytes()
+        nonlocal saved
+        if t.device.type != "meta":
+            saved += counter.count([t])
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = layer(inputs)
-    return out, sum(saved.values())
+    return out, saved
 
 
 def _synchronize(device: torch.device) -> None:

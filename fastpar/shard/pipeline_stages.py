@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..tensor_storage import storage_bytes
 from .pipeline_layout import PipelineLayout, pipeline_layout
 from .pipeline_profile import PipelineConfigError, microbatch_of, model_layers, profile_layers
 from .pipeline_split import PipelineSplit, check_batch, check_pipeline_shape, choose_split
-from .tensor_bytes import storage_bytes
 
 __all__ = ["PipelinedModel", "pipeline_memory_report", "pipeline_model"]
 

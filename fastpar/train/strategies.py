@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..shard import checkpoint as sharded
-from ..shard.tensor_bytes import storage_bytes
+from ..tensor_storage import storage_bytes
 from ..user_errors import OptionError
 from .batches import Objective, StepResult, token_count
 from .job import Job, build_model, build_optimizer, wrap_ddp

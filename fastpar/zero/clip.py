@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
+from ..comm.p2p_posting import WorkSet
 from ..ddp.buckets import ParamSlot
 from .layout import ShardedBucket
-from .p2p_posting import WorkSet
 
 __all__ = ["ShardNorms"]
 

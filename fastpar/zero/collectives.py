@@ -7,13 +7,13 @@ each rank's ``param_flat`` slice reaches every rank):
 - ``"collective"``: torch's ``reduce_scatter`` / ``all_gather`` in place on the flat buffers -- one call
   per bucket; what NCCL runs best.
 - ``"p2p"``: point-to-point sends of each peer's slice, and this rank's own additions of what it
-  received, in gloo's ring order (gloo_order.py) -- so the sums have the bits of torch DDP's all-reduce.
+  received, in gloo's ring order (fastpar/comm/gloo_order.py) -- so the sums have the bits of torch DDP's all-reduce.
   gloo's own reduce-scatter is several times slower than its all-reduce (measured: 155 vs 33 ms for 24 MB
   at 2 ranks); the exchange moves the same bytes as half an all-reduce. The peers' slices land in a
   scratch buffer of ``(p - 1) / p`` of the bucket, made at its launch and freed once the slices are summed
   (buckets are in flight together; at stage 2 lent with the bucket's buffer by the pool instead,
   sharded_gradients.py) -- so between steps no rank holds it.
-  On CPU the messages are posted by a background thread (p2p_posting.py says why).
+  On CPU the messages are posted by a background thread (fastpar/comm/p2p_posting.py says why).
 
 ``"auto"``: p2p on gloo and on fastpar's shared-memory backend (whose all-reduce sums in gloo's ring order, so
 the same model gives the same bits; its reduce-scatter sums in another order), collectives otherwise (NCCL).
@@ -27,11 +27,11 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from ..comm.gloo_order import reduce_in_ring_order
+from ..comm.p2p_posting import PostingThread, post_inline
 from ..ddp.errors import StuckBucketDiagnoser, pg_timeout_seconds
 from ..ddp.waiting import BucketWaiter
-from .gloo_order import reduce_in_ring_order
 from .layout import ShardedBucket, build_sharded_buckets, reference_positions
-from .p2p_posting import PostingThread, post_inline
 
 __all__ = ["EXCHANGES", "ZeroCollective", "resolve_exchange"]
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..costmodel.zero_staging import MIN_STAGING_NUMEL, POOL_CAPACITY, split_to_fit, staging_numel
+from ..tensor_storage import storage_bytes
 
 if TYPE_CHECKING:  # layout.py splits buckets with this module's rule
     from .layout import ShardedBucket
@@ -127,4 +128,4 @@ class BufferPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+        return storage_bytes(self.tensors())

@@ -12,7 +12,7 @@ each: its optimizer steps ``param_flat``'s slice with ``grad_shard`` as the grad
   it); ``comm_flat`` exists only while the bucket is in flight, lent by a pool (gradient_pool.py).
 
 Where a bucket's elements would sit in the bucket torch's DDP reduces (the *reference* layout) is kept
-per bucket, because at 3+ ranks gloo's summation order depends on it (gloo_order.py).
+per bucket, because at 3+ ranks gloo's summation order depends on it (fastpar/comm/gloo_order.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ..comm.gloo_order import SumRange, shard_sum_ranges
 from ..costmodel.zero_staging import split_to_fit
 from ..ddp.buckets import Bucket, ParamSlot, build_buckets
-from .gloo_order import SumRange, shard_sum_ranges
 
 __all__ = ["ShardedBucket", "build_sharded_buckets", "reference_positions"]
 

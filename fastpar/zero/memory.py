@@ -1,6 +1,6 @@
 """What a :class:`~fastpar.ShardedOptimizer` holds on this rank, measured from the tensors themselves.
 
-Each tensor is counted by its storage (``untyped_storage().nbytes()``), each storage once: a parameter that
+Each tensor is counted by its storage (:mod:`fastpar.tensor_storage`, the one counter), each storage once: a parameter that
 views its bucket's ``param_flat`` counts the flat buffer, once for all of them; the gradient shard that
 views stage 1's gradient bucket is the bucket. A storage goes to the first category that holds it, in the
 order parameters, gradients, optimizer state. Nothing is computed from formulas, so the report says what
@@ -9,9 +9,9 @@ an allocator would see (before fragmentation and the caching allocator's reserve
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
+
+from ..tensor_storage import StorageCounter
 
 __all__ = ["MEMORY_KEYS", "held_tensors", "measure_memory"]
 
@@ -44,27 +44,13 @@ def held_tensors(optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tenso
 
 def measure_memory(optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """``{key: bytes}`` for :data:`MEMORY_KEYS` of a ``ShardedOptimizer`` (see its ``memory_report``)."""
-    seen: set[tuple[str, int]] = set()
-
-    def count(tensors: Iterable[torch.Tensor | None]) -> int:
-        total = 0
-        for t in tensors:
-            if t is None:
-                continue
-            storage = t.untyped_storage()
-            key = (str(t.device), storage.data_ptr())
-            if storage.nbytes() == 0 or key in seen:
-                continue
-            seen.add(key)
-            total += storage.nbytes()
-        return total
-
+    counter = StorageCounter()
     held = held_tensors(optimizer)
     pool = getattr(optimizer._collective, "pool", None)
-    report = {"parameters": count(held["parameters"])}
-    pool_bytes = count(pool.tensors()) if pool is not None else 0
-    report["gradients"] = pool_bytes + count(held["gradients"])
-    report["optimizer_state"] = count(held["optimizer_state"])
+    report = {"parameters": counter.count(held["parameters"])}
+    pool_bytes = counter.count(pool.tensors()) if pool is not None else 0
+    report["gradients"] = pool_bytes + counter.count(held["gradients"])
+    report["optimizer_state"] = counter.count(held["optimizer_state"])
     report["gradient_pool"] = pool_bytes
     report["total"] = report["parameters"] + report["gradients"] + report["optimizer_state"]
     return report

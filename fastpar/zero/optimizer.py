@@ -22,7 +22,7 @@ per bucket, and stages gradients into a small pool of full-size buffers lent to 
 
 The arithmetic is the per-parameter optimizer's, elementwise: parameters after any number of steps are
 bit-identical to torch's DDP with the unsharded optimizer (on gloo the reduce-scatter adds in the
-all-reduce's order, gloo_order.py), at both stages, except where noted in the guide (clipping's fused
+all-reduce's order, fastpar/comm/gloo_order.py), at both stages, except where noted in the guide (clipping's fused
 norm, fused kernels). After a synchronised backward the parameters' ``.grad`` are None: the reduced
 gradient exists only as shards (:meth:`clip_grad_norm_`; ``torch.nn.utils.clip_grad_norm_`` over the
 model's parameters is routed to it, torch_clip.py; for loss scaling

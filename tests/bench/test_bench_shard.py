@@ -32,6 +32,10 @@ def test_shard_benchmark_measures_every_strategy_beside_the_plan(backend, tmp_pa
     assert total["fsdp_reshard"] < total["zero1"] and total["pipeline"] < total["ddp"]
     goals = {g["name"]: g for g in data["summary"]["goals"]}
     assert any(name.startswith("ddp: |predicted / measured - 1|") for name in goals)
+    for wire in wires:  # each wire priced by a plan of its own backend, every strategy's step beside it
+        claims = [f"{wire}: {s}: |predicted / measured - 1| of the step time <= 25%" for s in STRATEGIES]
+        assert all(claim in goals for claim in claims), (wire, sorted(goals))
+    assert sorted(data["summary"]["plans"]) == sorted(wires)
     assert data["summary"]["goals_met"] == all(g["met"] for g in goals.values())
 
 

@@ -77,8 +77,7 @@ def _saved_bytes_at(batch, seq_len):
     model = ReferenceTransformer(**{**SMALL, "seq_len": 128})
     ids = model.example_batch(batch, seq_len)
     layers = model_layers(model)
-    exclude = {t.untyped_storage()._cdata for t in [*model.parameters(), ids]}
-    counter = _SavedTensorCounter(model, layers, exclude)
+    counter = _SavedTensorCounter(model, layers, exclude=[*model.parameters(), ids])
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         loss = model.loss(model(ids), ids)
     counter.close()

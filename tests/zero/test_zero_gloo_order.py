@@ -1,4 +1,4 @@
-"""gloo's summation order (fastpar/ddp/gloo_order.py), which ZeRO's point-to-point reduce-scatter follows to get
+"""gloo's summation order (fastpar/comm/gloo_order.py), which ZeRO's point-to-point reduce-scatter follows to get
 the bits of torch DDP's all-reduce: the model of gloo's ring checked against the installed gloo on 3 ranks
 (fp32 and bf16, sizes from one segment to many), and the pieces of arithmetic on their own."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastpar.comm.gloo_order import SumRange, chunk_numel, reduce_in_ring_order, shard_sum_ranges, summation_chain
 from fastpar.launcher import spawn
-from fastpar.zero.gloo_order import SumRange, chunk_numel, reduce_in_ring_order, shard_sum_ranges, summation_chain
 
 SIZES = [2, 7, 31, 1000, 3001, 300_001, 6_553_601]  # 300_001 fp32 is > 1 MiB: several segments per chunk
 
@@ -46,7 +46,7 @@ def test_the_model_of_gloos_ring_matches_the_installed_gloo_at_three_ranks():
     results = spawn(_rank, 3, timeout=600)
     for rank, wrong in enumerate(results):
         assert all(count == 0 for count in wrong.values()), (
-            f"rank {rank}: gloo summed these (dtype, size) in another order than fastpar.zero.gloo_order models "
+            f"rank {rank}: gloo summed these (dtype, size) in another order than fastpar.comm.gloo_order models "
             f"(elements differing): {wrong}. ZeRO's p2p reduce-scatter then no longer matches DDP's bits at 3+ ranks"
         )
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...shard.tensor_bytes import storage_bytes
+from ...tensor_storage import storage_bytes
 from ...user_errors import UserError
 from .. import launch
 from ..context import BenchContext
@@ -52,7 +52,8 @@ STRATEGIES = ("ddp", "zero1", "zero2", "fsdp_reshard", "fsdp_keep", "pipeline")
 LR, WEIGHT_DECAY = 1e-3, 0.01
 ZERO2_VS_ZERO1 = Goal("zero2 step", "zero1", 1.05, AT_MOST)
 FSDP_VS_DDP = Goal("fully sharded step (the plan's reshard choice)", "ddp on the same backend", 1.35, AT_MOST)
-PICK_CONFIRMED = Goal("the plan's pick, measured step", "the fastest measured strategy that fits", 1.10, AT_MOST)
+PICK_CONFIRMED = Goal("the plan's pick, measured step", "the fastest measured strategy that fits", 1.15, AT_MOST)
+STEP_PREDICTION = Goal("|predicted / measured - 1| of the step time", "", 0.25, AT_MOST, unit="%")
 STATE_PREDICTION = Goal("|predicted / measured - 1| of model-state bytes", "", 0.05, AT_MOST, unit="%")
 
 
@@ -178,8 +179,8 @@ def _check_one_step(trainees: dict[str, Trainee], x, everyone, device) -> None:
         raise WrongResultError(f"after one step on the same batches, vs fastpar DDP: {listing}")
 
 
-def _plan(settings: ShardSettings, world_size: int):
-    """The planner's estimates for this model, world size and batch (predictions only: nothing is sharded)."""
+def _plan(settings: ShardSettings, world_size: int, backend: str):
+    """The planner's estimates for this model, world size, batch and wire (predictions only: nothing is sharded)."""
     from ...costmodel.memory_planner import plan_for_module
 
     model = build_model(settings.width, settings.depth)
@@ -194,6 +195,7 @@ def _plan(settings: ShardSettings, world_size: int):
         stages=[world_size],
         schedules=("1f1b",),
         microbatches=[settings.microbatches],
+        backend=backend,
     )
 
 
@@ -232,7 +234,8 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: ShardSet
     del trainees
     if rank != 0:
         return None
-    return _report(ctx, settings, world_size, seconds, memory, _plan(settings, world_size), list(wires))
+    plans = {suffix: _plan(settings, world_size, dist.get_backend(group)) for suffix, group in wires.items()}
+    return _report(ctx, settings, world_size, seconds, memory, plans, list(wires))
 
 
 def _per_rank(memory: dict[str, int], device: torch.device) -> list[dict[str, int]]:
@@ -243,13 +246,14 @@ def _per_rank(memory: dict[str, int], device: torch.device) -> list[dict[str, in
     return [dict(zip(keys, (int(v) for v in t.tolist()), strict=True)) for t in values]
 
 
-def _report(ctx, settings, world_size, seconds, memory, plan, suffixes) -> BenchReport:
+def _report(ctx, settings, world_size, seconds, memory, plans, suffixes) -> BenchReport:
+    """``plans``: the planner's estimates for each wire (by variant suffix), made for that wire's backend."""
     rows, goals, footer = [], [], []
     flags = floor_flags("shard", seconds)
     footer += [f"beyond a bound: {flag}" for flag in flags.values()]
     floor = seconds["no_comm"]
     for suffix in suffixes:
-        wire = ctx.backend if not suffix else "gloo"
+        wire, plan = ctx.backend if not suffix else "gloo", plans[suffix]
         for strategy in STRATEGIES:
             variant = strategy + suffix
             t, mem = seconds[variant], memory[strategy]
@@ -296,6 +300,15 @@ def _report(ctx, settings, world_size, seconds, memory, plan, suffixes) -> Bench
                     detail=f"plan picked {pick}",
                 )
             )
+        for strategy in STRATEGIES:
+            estimate = _estimate(plan, strategy)
+            if estimate is not None:
+                goals.append(
+                    STEP_PREDICTION.check(
+                        abs(estimate.step_s / seconds[strategy + suffix] - 1), scope=f"{wire}: {strategy}"
+                    )
+                )
+    plan = plans[""]
     for strategy in STRATEGIES:
         estimate = _estimate(plan, strategy)
         if estimate is None:
@@ -324,7 +337,10 @@ def _report(ctx, settings, world_size, seconds, memory, plan, suffixes) -> Bench
             "model": f"{settings.depth} x (Linear({settings.width}) + GELU), AdamW(lr={LR}, weight_decay={WEIGHT_DECAY})",
             "batch": f"{settings.batch} per rank; pipeline: {settings.batch * world_size} in {settings.microbatches} microbatches",
             "no_comm": f"{floor * 1e3:.2f} ms (the floor)",
-            "plan": f"pick {plan.choice} {plan.choice_options or ''}; {plan.measurement}",
+            **{
+                f"plan ({ctx.backend if not suffix else 'gloo'})": f"pick {p.choice} {p.choice_options or ''}; {p.measurement}"
+                for suffix, p in plans.items()
+            },
             "state": "parameters + gradients + optimizer state on the largest rank after a step (storages once)",
             "timing": f"median of {ctx.rounds} interleaved rounds x {ctx.iters} steps after {ctx.warmup} warm-up",
         },
@@ -334,6 +350,7 @@ def _report(ctx, settings, world_size, seconds, memory, plan, suffixes) -> Bench
             "step_ms": {v: t * 1e3 for v, t in seconds.items()},
             "state_bytes_per_rank": memory,
             "plan": plan.to_json(),
+            "plans": {(ctx.backend if not suffix else "gloo"): p.to_json() for suffix, p in plans.items()},
         },
         plot=PlotSpec("bar", "variant", "x_ddp", series="wire", ylabel="step time / fastpar DDP step"),
     )

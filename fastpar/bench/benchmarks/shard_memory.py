@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...shard.peak_memory import STATE_KEYS, measure_step
-from ...shard.tensor_bytes import storage_bytes
+from ...tensor_storage import storage_bytes
 from .. import launch
 from ..context import BenchContext
 from ..goals import AT_MOST, Goal

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...tensor_storage import storage_bytes
 from .. import launch
 from ..context import BenchContext
 from ..goals import AT_MOST, Goal, Verdict
@@ -142,18 +143,14 @@ class Trainee:
         if self.sharded is not None:
             return self.sharded.state_bytes()
         optimizer = getattr(self.optimizer, "optim", self.optimizer)  # torch's ZeRO: the local optimizer
-        return sum(
-            v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)
-        )
+        return storage_bytes(v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
     def grad_bytes(self) -> tuple[int, int]:
         """(bytes of gradient memory this rank holds now, of which in ZeRO-2's pool), each storage counted once."""
         if self.sharded is not None:
             report = self.sharded.memory_report()
             return report["gradients"], report["gradient_pool"]
-        tensors = [p.grad for p in self.model.parameters() if p.grad is not None]  # fastpar DDP: its bucket views
-        storages = {(str(t.device), t.untyped_storage().data_ptr()): t.untyped_storage().nbytes() for t in tensors}
-        return sum(storages.values()), 0
+        return storage_bytes(p.grad for p in self.model.parameters()), 0  # fastpar DDP: its bucket views, once
 
     def largest_bucket_numel(self) -> int:
         return max(zb.bucket.numel for zb in self.sharded._sharded) if self.sharded is not None else 0
