@@ -28,7 +28,10 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
     """Identity of the memory behind ``t``: the same for all views of one storage (and of a DTensor's shard)."""
-    storage = local_tensor(t).untyped_storage()
+    return _key(local_tensor(t).untyped_storage())
+
+
+def _key(storage: torch.UntypedStorage) -> tuple[str, int]:
     pointer = storage.data_ptr()
     if pointer == 0:  # meta tensors (and empty storages) share address 0: tell them apart by the storage object
         return f"{storage.device}#storage", storage._cdata
@@ -47,10 +50,11 @@ class StorageCounter:
         for t in tensors:
             if t is None:
                 continue
-            key = storage_key(t)
+            storage = local_tensor(t).untyped_storage()
+            key = _key(storage)
             if key in self.seen:
                 continue
-            nbytes = local_tensor(t).untyped_storage().nbytes()
+            nbytes = storage.nbytes()
             if nbytes:
                 self.seen.add(key)
                 total += nbytes

@@ -187,6 +187,7 @@ def plan(
         measurement=f"{measured.method}, {min(probe_batch, batch_size)} samples, scaled",
         comm=comm_text,
         notes=notes,
+        probe=measured,
     )
 
 

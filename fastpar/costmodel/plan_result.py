@@ -81,6 +81,8 @@ class Plan:
     comm: str
     suggestions: dict[str, Any] = field(default_factory=dict)  # when nothing fits: one change that would, each
     notes: list[str] = field(default_factory=list)
+    # the measurements it stands on (a ProbeResult): ``plan(probe_result=...)`` prices another backend on them
+    probe: Any = field(default=None, repr=False, compare=False)
 
     def best(self, strategy: str) -> StrategyEstimate | None:
         """The fastest fitting estimate of ``strategy`` (else its smallest)."""
@@ -122,6 +124,7 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        data.pop("probe")  # measurements, not the plan
         for row, e in zip(data["estimates"], self.estimates, strict=True):
             row["label"] = e.label
             row["memory"]["total"] = e.memory.total

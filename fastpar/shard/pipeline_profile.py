@@ -97,11 +97,6 @@ def microbatch_of(example_input: torch.Tensor, microbatches: int) -> torch.Tenso
     return example_input.tensor_split(microbatches, dim=0)[0]
 
 
-def _bytes(tensors) -> int:
-    """Bytes of distinct storages (a parameter shared by two layers counted once)."""
-    return storage_bytes(tensors)
-
-
 def _saved_activation_bytes(layer: nn.Module, inputs: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(output, bytes of the non-parameter tensors autograd saved in the forward), each storage counted once."""
     counter = StorageCounter(exclude=layer.parameters())
@@ -187,7 +182,7 @@ def profile_layers(
                 LayerCost(
                     name=name,
                     seconds=seconds,
-                    param_bytes=_bytes(layer.parameters()),
+                    param_bytes=storage_bytes(layer.parameters()),  # a parameter shared by two layers once
                     activation_bytes=activation_bytes,
                     output_shape=tuple(out.shape),
                     output_dtype=out.dtype,

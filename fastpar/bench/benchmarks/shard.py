@@ -179,8 +179,9 @@ def _check_one_step(trainees: dict[str, Trainee], x, everyone, device) -> None:
         raise WrongResultError(f"after one step on the same batches, vs fastpar DDP: {listing}")
 
 
-def _plan(settings: ShardSettings, world_size: int, backend: str):
-    """The planner's estimates for this model, world size, batch and wire (predictions only: nothing is sharded)."""
+def _plan(settings: ShardSettings, world_size: int, backend: str, probe=None):
+    """The planner's estimates for this model, world size, batch and wire (predictions only: nothing is sharded).
+    ``probe``: another wire's plan's measurements, so that the wires differ only in how the wire is priced."""
     from ...costmodel.memory_planner import plan_for_module
 
     model = build_model(settings.width, settings.depth)
@@ -196,6 +197,7 @@ def _plan(settings: ShardSettings, world_size: int, backend: str):
         schedules=("1f1b",),
         microbatches=[settings.microbatches],
         backend=backend,
+        probe_result=probe,
     )
 
 
@@ -234,7 +236,9 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: ShardSet
     del trainees
     if rank != 0:
         return None
-    plans = {suffix: _plan(settings, world_size, dist.get_backend(group)) for suffix, group in wires.items()}
+    plans: dict = {}
+    for suffix, group in wires.items():
+        plans[suffix] = _plan(settings, world_size, dist.get_backend(group), plans[""].probe if plans else None)
     return _report(ctx, settings, world_size, seconds, memory, plans, list(wires))
 
 
@@ -253,7 +257,7 @@ def _report(ctx, settings, world_size, seconds, memory, plans, suffixes) -> Benc
     footer += [f"beyond a bound: {flag}" for flag in flags.values()]
     floor = seconds["no_comm"]
     for suffix in suffixes:
-        wire, plan = ctx.backend if not suffix else "gloo", plans[suffix]
+        wire, plan = _wire(ctx, suffix), plans[suffix]
         for strategy in STRATEGIES:
             variant = strategy + suffix
             t, mem = seconds[variant], memory[strategy]
@@ -338,7 +342,7 @@ def _report(ctx, settings, world_size, seconds, memory, plans, suffixes) -> Benc
             "batch": f"{settings.batch} per rank; pipeline: {settings.batch * world_size} in {settings.microbatches} microbatches",
             "no_comm": f"{floor * 1e3:.2f} ms (the floor)",
             **{
-                f"plan ({ctx.backend if not suffix else 'gloo'})": f"pick {p.choice} {p.choice_options or ''}; {p.measurement}"
+                f"plan ({_wire(ctx, suffix)})": f"pick {p.choice} {p.choice_options or ''}; {p.measurement}"
                 for suffix, p in plans.items()
             },
             "state": "parameters + gradients + optimizer state on the largest rank after a step (storages once)",
@@ -350,10 +354,15 @@ def _report(ctx, settings, world_size, seconds, memory, plans, suffixes) -> Benc
             "step_ms": {v: t * 1e3 for v, t in seconds.items()},
             "state_bytes_per_rank": memory,
             "plan": plan.to_json(),
-            "plans": {(ctx.backend if not suffix else "gloo"): p.to_json() for suffix, p in plans.items()},
+            "plans": {_wire(ctx, suffix): p.to_json() for suffix, p in plans.items()},
         },
         plot=PlotSpec("bar", "variant", "x_ddp", series="wire", ylabel="step time / fastpar DDP step"),
     )
+
+
+def _wire(ctx: BenchContext, suffix: str) -> str:
+    """The backend a variant suffix ran on: the run's for "", gloo for "_gloo" (the peer group)."""
+    return ctx.backend if not suffix else "gloo"
 
 
 def _predicted_state(estimate, strategy: str) -> float:
