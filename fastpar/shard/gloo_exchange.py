@@ -1,9 +1,9 @@
 """FSDP2's collectives on gloo as point-to-point exchanges: faster there, and the same bits.
 
-gloo's ``reduce_scatter_tensor`` is several times slower than its ring all-reduce of the same tensor, an
-all-reduce moves twice the bytes a reduce-scatter needs, and its ``all_gather_into_tensor`` is slower than one
-send and one receive per peer. Measured on 2 CPU ranks, one 4 MiB unit (median of 30): all-reduce 4.9 ms,
-all-gather 2.5 ms, a point-to-point exchange of the same chunks 1.6-2.3 ms. FSDP2 lets a module replace the
+gloo's ``reduce_scatter_tensor`` is slower than its ring all-reduce of the same tensor, an all-reduce moves
+twice the bytes a reduce-scatter needs, and its ``all_gather_into_tensor`` is slower than one send and one
+receive per peer (``fastpar bench shard`` times the step either way; ``scripts/fsdp_step_time.py`` has a
+``stock_collectives`` variant). FSDP2 lets a module replace the
 collectives it reduce-scatters gradients and all-gathers parameters with (``FSDPModule.set_custom_reduce_scatter``,
 ``set_custom_all_gather``); fastpar installs these on every unit when the group's backend is gloo. The fastpar
 backend and NCCL keep their own collectives, the faster ones there.
