@@ -140,7 +140,8 @@ def plan(
     # shared memory runs the collectives only, so they are priced with gloo's profile unless one was given
     p2p_comm = comm
     if not on_gpu and backend == "fastpar" and profile is None and fabric is None:
-        p2p_comm = comm_model(on_gpu=False, backend="gloo")[0]
+        p2p_comm, _, p2p_text = comm_model(on_gpu=False, backend="gloo")
+        comm_text += f"; point-to-point messages: {p2p_text}"
     total_bytes = sum(layer.numel for layer in layers) * sizes.param
     # the runtime's rule (bucket_caps.py); shared buckets on the fastpar backend, with the cores of this host
     caps = tuple(bucket_caps(total_bytes, "cuda" if on_gpu else "cpu", devices, shared_buckets=backend == "fastpar"))
