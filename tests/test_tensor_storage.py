@@ -59,7 +59,7 @@ def test_a_dtensor_counts_its_local_shard():
 
 
 def test_no_other_module_counts_storages_itself():
-    """Point 7 of issue 31: one storage counter. A module reading ``untyped_storage()`` to count or key memory
+    """One storage counter: a module reading ``untyped_storage()`` to count or key memory
     outside tensor_storage.py is a second counter."""
     offenders = []
     for path in PACKAGE.rglob("*.py"):
