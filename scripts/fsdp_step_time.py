@@ -3,6 +3,7 @@ CPU ranks: 8 x (Linear(1024) + GELU) + AdamW, batch 64 a rank, variants interlea
 
     python scripts/fsdp_step_time.py --backend fastpar --rounds 7 --steps 3
     python scripts/fsdp_step_time.py --backend gloo --variants ddp,fsdp_layers,fsdp_root_keep
+    python scripts/fsdp_step_time.py --backend gloo --width 64 --depth 16 --batch 8   # fixed cost per unit
 
 Every variant first takes one step on the same batch; its parameters must match fastpar DDP's within a
 tolerance (reduce-scatter and all-reduce sum in different orders). The official table is ``fastpar bench
@@ -94,7 +95,9 @@ def _full(model) -> torch.Tensor:
     )
 
 
-def _rank(rank: int, world: int, names: list[str], rounds: int, steps: int) -> dict:
+def _rank(rank: int, world: int, names: list[str], rounds: int, steps: int, shape: tuple[int, int, int]) -> dict:
+    global WIDTH, DEPTH, BATCH  # spawned ranks import this module afresh: the command line's shape comes as an argument
+    WIDTH, DEPTH, BATCH = shape
     trainees = {name: _trainee(VARIANTS[name]) for name in names}
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(BATCH, WIDTH, generator=gen)
@@ -122,6 +125,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--width", type=int, default=WIDTH)
+    parser.add_argument("--depth", type=int, default=DEPTH)
+    parser.add_argument("--batch", type=int, default=BATCH)
     args = parser.parse_args()
     names = args.variants.split(",")
     if names[0] != "ddp":
@@ -132,12 +138,13 @@ def main() -> None:
     from fastpar.launcher import spawn
 
     load_before = os.getloadavg()[0]
-    results = spawn(_rank, args.nproc, names, args.rounds, args.steps, backend=args.backend, timeout=1800)
+    shape = (args.width, args.depth, args.batch)
+    results = spawn(_rank, args.nproc, names, args.rounds, args.steps, shape, backend=args.backend, timeout=1800)
     load_after = os.getloadavg()[0]
     times = results[0]["times"]
     ddp = statistics.median(times["ddp"])
     print(
-        f"backend {args.backend}, {args.nproc} ranks, {args.rounds} rounds x {args.steps} steps, "
+        f"{args.depth} x Linear({args.width}), batch {args.batch}; backend {args.backend}, {args.nproc} ranks, {args.rounds} rounds x {args.steps} steps, "
         f"load {load_before:.1f} -> {load_after:.1f}"
     )
     print(

@@ -6,11 +6,15 @@ Schema ``fastpar.profile/1``::
      "collectives": {"allreduce": {"nbytes": [...], "seconds": [...]}, "reducescatter": ..., "allgather": ...},
      "moves_gbs": {"torch_pack": GB/s, "torch_unpack": ..., "fastpar_pack": ..., "fastpar_unpack": ...},
      "contention": {"compute_slowdown": k_c, "wire_slowdown": k_w},
+     "overheads": {"fsdp_unit_s": s, "fsdp_regather_s": s, "fsdp_unit_bytes": B},
      "timeline": {"forward_s", "backward_s", "optimizer_s", "grads": [{"index", "nbytes", "dtype", "ready_s"}]},
      "model": {...}, "measured": [{"variant", "bucket_cap_mb", "world_size", "step_s", "source"}], "meta": {...}}
 
 Collective times are the slowest rank's medians; ``moves_gbs`` are gradient bytes moved per second by
-each way of getting gradients into and out of buckets; ``timeline`` is the slowest rank's compute.
+each way of getting gradients into and out of buckets; ``timeline`` is the slowest rank's compute;
+``overheads["fsdp_unit_s"]``: what one FSDP2 unit of ``fsdp_unit_bytes`` (a few KB) kept gathered after forward
+adds to a step beyond DDP's: its hooks, copies and both collectives' latency under load; ``fsdp_regather_s``:
+what resharding it after forward adds on top (its second gather). Absent in profiles written before them.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class Profile:
     moves_gbs: dict[str, float] = field(default_factory=dict)
     contention: dict[str, float] = field(default_factory=lambda: {"compute_slowdown": 0.0, "wire_slowdown": 0.0})
     timeline: StepTimeline | None = None
+    overheads: dict[str, float] = field(default_factory=dict)
     model: dict[str, Any] = field(default_factory=dict)
     measured: list[dict[str, Any]] = field(default_factory=list)
     threads: int = 1
@@ -140,6 +145,7 @@ class Profile:
             "collectives": {op: asdict(t) for op, t in self.collectives.items()},
             "moves_gbs": dict(self.moves_gbs),
             "contention": dict(self.contention),
+            "overheads": dict(self.overheads),
             "timeline": None,
             "model": dict(self.model),
             "measured": list(self.measured),
@@ -175,6 +181,7 @@ class Profile:
             collectives={op: CollectiveTable(**t) for op, t in data["collectives"].items()},
             moves_gbs={k: float(v) for k, v in data.get("moves_gbs", {}).items()},
             contention={k: float(v) for k, v in data.get("contention", {}).items()},
+            overheads={k: float(v) for k, v in data.get("overheads", {}).items()},
             timeline=timeline,
             model=dict(data.get("model", {})),
             measured=list(data.get("measured", [])),

@@ -84,6 +84,9 @@ def comm_model(*, profile: Any = None, fabric: Any = None, on_gpu: bool = False,
             unpack_s_per_byte=1.0 / (average_gbs * 1e9) if average_gbs else 0.0,
             compute_slowdown=profile.contention.get("compute_slowdown", 0.0),
             wire_slowdown=profile.contention.get("wire_slowdown", 0.0),
+            fsdp_unit_s=profile.overheads.get("fsdp_unit_s", 0.0),
+            fsdp_regather_s=profile.overheads.get("fsdp_regather_s", 0.0),
+            fsdp_unit_bytes=profile.overheads.get("fsdp_unit_bytes", 0.0),
         )
         return comm, costs, f"profile {profile.backend} x{profile.world_size} ({profile.meta.get('created', '?')[:10]})"
     if isinstance(fabric, str):

@@ -69,13 +69,17 @@ class StepTimeline:
 
 @dataclass(frozen=True)
 class SyncCosts:
-    """What the reducer adds per byte of gradient, and how compute and the wire slow each other."""
+    """What the reducer adds per byte of gradient, how compute and the wire slow each other, and what one FSDP
+    unit adds to a step whatever its size (measured with units of ``fsdp_unit_bytes``, their wire included)."""
 
     pack_s_per_byte: float = 0.0  # copy/scale into the bucket on arrival (0 when gradients are bucket views)
     unpack_s_per_byte: float = 0.0  # copy back / average / cast after the collective
     comm_bytes_per_byte: float = 1.0  # bytes on the wire per gradient byte: 0.5 for fp32 reduced in bf16
     compute_slowdown: float = 0.0
     wire_slowdown: float = 0.0
+    fsdp_unit_s: float = 0.0  # per unit kept gathered after forward (a gather and a reduce-scatter)
+    fsdp_regather_s: float = 0.0  # per unit resharded after forward (its second gather, before backward)
+    fsdp_unit_bytes: float = 0.0
 
 
 @dataclass

@@ -13,7 +13,10 @@ priced by a calibrated profile or a fabric (collective_costs) and overlapped as 
   (priced at the profile's copy bandwidth). On GPUs the wire runs one collective at a time under the
   compute, the next unit's gather prefetched while this one computes; on CPU ranks the collectives and the
   compute share the cores, so they are taken one after the other. On gloo the gathers and reduce-scatters are
-  fastpar's point-to-point exchanges, priced as ZeRO's: each way the bytes of half an all-reduce.
+  fastpar's point-to-point exchanges, priced as ZeRO's: each way the bytes of half an all-reduce. On CPU ranks
+  each unit also costs the profile's measured fixed time per unit (``SyncCosts.fsdp_unit_s``: FSDP2's hooks
+  and its collectives' latency among busy ranks, beyond what the tables price for a unit that small), and
+  ``fsdp_regather_s`` more when resharded after forward.
 - ``pipeline``: M microbatches through S stages: (M + S - 1) slots of the slowest stage's forward + backward
   (interleaved 1F1B with V stages per rank: (V M + S - 1) slots of the slowest of its S V stages)
   of one microbatch and its two point-to-point messages (the bubble is (S - 1) / (M + S - 1) of it), then
@@ -228,7 +231,26 @@ def _fsdp_seconds(layers, forward, backward, n, comm, param_itemsize, reduce_ite
         now = now + c if on_gpu else done
     now += sum(backward[i] for i in root if i < first)
     w, c = scattered(root_numel)
-    return wire.run(now, w) + c
+    return (
+        wire.run(now, w)
+        + c
+        + _unit_fixed_seconds(
+            len(units) + (1 if root_numel else 0), reshard, on_gpu, costs, gathered, scattered, param_itemsize
+        )
+    )
+
+
+def _unit_fixed_seconds(count, reshard, on_gpu, costs, gathered, scattered, param_itemsize) -> float:
+    """What ``count`` units add whatever their size on CPU ranks: the profile's measured time per small unit less
+    what the tables already price for a unit that size (on GPUs FSDP2's hooks run ahead of the kernels)."""
+    if on_gpu or costs.fsdp_unit_s <= 0:
+        return 0.0
+    small = int(costs.fsdp_unit_bytes // param_itemsize)
+    priced = sum(gathered(small)) + sum(scattered(small))
+    fixed = max(0.0, costs.fsdp_unit_s - priced)
+    if reshard:
+        fixed += max(0.0, costs.fsdp_regather_s - sum(gathered(small)))
+    return count * fixed
 
 
 def _pipeline_seconds(

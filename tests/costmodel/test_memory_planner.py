@@ -273,6 +273,52 @@ def test_cpu_ranks_are_priced_with_the_profile_of_their_backend():
         planner_comm.comm_model(on_gpu=False, backend="mpi")
 
 
+def test_each_fsdp_unit_costs_the_profiles_fixed_time_on_cpu_ranks():
+    """A unit's fixed cost (FSDP2's hooks and its collectives' latency among busy ranks, measured with small
+    units by calibrate) is added per unit, less what the tables already price for a unit that small; the
+    shipped profiles carry it; GPUs and DDP are priced as before."""
+    from dataclasses import replace
+
+    from fastpar.costmodel import planner_comm
+    from fastpar.costmodel.model_spec import Layer
+    from fastpar.costmodel.strategy_time import strategy_step_seconds
+
+    comm, costs, _ = planner_comm.comm_model(on_gpu=False, backend="gloo")
+    assert costs.fsdp_unit_s > 0 and costs.fsdp_unit_bytes > 0  # bench/results/profile-cpu-2rank-mlp.json
+    layers = [Layer(f"b{i}", 1 << 20, True, ((1024, 1024),)) for i in range(4)]
+    forward, backward = [0.001] * 4, [0.002] * 4
+
+    def step(strategy, sync, on_gpu=False, reshard=False):
+        return strategy_step_seconds(
+            strategy,
+            layers,
+            forward,
+            backward,
+            devices=2,
+            comm=comm,
+            costs=sync,
+            optimizer_s_per_element=0.0,
+            reduce_itemsize=4,
+            param_itemsize=4,
+            caps=(1 << 20, 25 << 20),
+            on_gpu=on_gpu,
+            options={"reshard_after_forward": reshard},
+        )
+
+    none = replace(costs, fsdp_unit_s=0.0, fsdp_regather_s=0.0)
+    small = int(costs.fsdp_unit_bytes) // 4
+    tables = comm("allgather", small * 4, 2) + comm("reducescatter", small * 4, 2)
+    copies = small * 4 * 1.5 * 2 * costs.pack_s_per_byte
+    fixed = costs.fsdp_unit_s - tables - copies
+    assert step("fsdp", costs) - step("fsdp", none) == pytest.approx(4 * fixed)
+    regather = costs.fsdp_regather_s - comm("allgather", small * 4, 2) - small * 4 * 1.5 * costs.pack_s_per_byte
+    assert step("fsdp", costs, reshard=True) - step("fsdp", none, reshard=True) == pytest.approx(
+        4 * (fixed + max(0.0, regather))
+    )
+    assert step("fsdp", costs, on_gpu=True) == step("fsdp", none, on_gpu=True)
+    assert step("ddp", costs) == step("ddp", none)
+
+
 ENCODER_LAYER = ["--model", "torch.nn:TransformerEncoderLayer", "--kwargs"]
 ENCODER_KWARGS = '{"d_model": 32, "nhead": 2, "dim_feedforward": 64, "batch_first": true}'
 

@@ -20,6 +20,7 @@ def profile() -> Profile:
         collectives={"allreduce": CollectiveTable([1000, 4000, 2000], [0.002, 0.005, 0.003])},
         moves_gbs={"torch_pack": 2.0, "torch_unpack": 4.0, "fastpar_pack": 8.0, "fastpar_unpack": 10.0},
         contention={"compute_slowdown": 0.25, "wire_slowdown": 1.5},
+        overheads={"fsdp_unit_s": 0.004, "fsdp_regather_s": 0.001, "fsdp_unit_bytes": 16640.0},
         timeline=StepTimeline(grads, backward_s=0.003, forward_s=0.001, optimizer_s=0.0005),
         model={"name": "tiny"},
         measured=[{"variant": "torch_ddp", "bucket_cap_mb": 4, "world_size": 2, "step_s": 0.01}],
@@ -62,6 +63,10 @@ def test_json_round_trip(tmp_path):
     again = Profile.load(path)
     assert again.to_json() == profile().to_json()
     assert again.timeline.grads == profile().timeline.grads
+    assert again.overheads["fsdp_unit_s"] == 0.004
+    del data["overheads"]  # a profile written before the overheads were measured: none priced
+    path.write_text(json.dumps(data))
+    assert Profile.load(path).overheads == {}
 
 
 def test_not_a_profile_is_refused(tmp_path):

@@ -35,6 +35,8 @@ from .calibration import (
     ContentionTrial,
     allreduce_variants,
     ddp_variants,
+    fsdp_unit_overheads,
+    fsdp_unit_variants,
     measure_collectives,
     move_variants,
 )
@@ -125,6 +127,7 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: Calibrat
     variants |= move_variants(timer.params, device, world_size)
     allreduces = allreduce_variants(ctx.sizes, device, rank, world_size)
     variants |= allreduces
+    variants |= fsdp_unit_variants(device, rank)
     trial = None
     if device.type == "cpu":  # gloo's threads and backward share the cores
         probe = allreduce_variants([CONTENTION_BUCKET_BYTES], device, rank, world_size)
@@ -156,6 +159,7 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: Calibrat
         collectives=tables,
         moves_gbs={name: grad_bytes / seconds[name] / 1e9 for name in REDUCER_MOVES},
         contention=contention,
+        overheads=fsdp_unit_overheads(seconds),
         timeline=timeline,
         model={
             "name": settings.model,
@@ -209,6 +213,9 @@ def _report(ctx: BenchContext, settings: CalibrateSettings, profile: Profile, pr
         rows.append(dict(kind="compute", item=name, measured_ms=seconds * 1e3, detail=f"{len(t.grads)} gradients"))
     for name in ("compute_slowdown", "wire_slowdown"):
         rows.append(dict(kind="contention", item=name, detail=f"{profile.contention[name]:.3f}"))
+    for name in ("fsdp_unit_s", "fsdp_regather_s"):
+        bytes_ = format_bytes(profile.overheads["fsdp_unit_bytes"])
+        rows.append(dict(kind="fsdp", item=name, measured_ms=profile.overheads[name] * 1e3, detail=f"{bytes_} units"))
     checks = validate(profile)
     for check in checks:
         rows.append(

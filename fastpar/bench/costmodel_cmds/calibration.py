@@ -10,7 +10,10 @@ benchmark times them all together with ``launch.time_on_all_ranks``:
 - ``torch_pack`` / ``torch_unpack`` / ``fastpar_pack`` / ``fastpar_unpack``: the model's gradients into
   one flat bucket and back (torch's per-tensor ``mul(out=)``/``copy_``, ``fastpar.ops.pack/unpack``);
 - ``allreduce_<size>``: one all-reduce per sweep size (checked element by element before);
-- ``contention``: backward alone, a stream of all-reduces alone, then both at once (:class:`ContentionTrial`).
+- ``contention``: backward alone, a stream of all-reduces alone, then both at once (:class:`ContentionTrial`);
+- ``fsdp_units_ddp`` / ``fsdp_units_keep`` / ``fsdp_units_reshard``: a model of small units under fastpar DDP
+  and ``fastpar.fully_shard_model``, kept gathered or resharded after forward: what a unit adds to a step
+  whatever its size (:func:`fsdp_unit_overheads`).
 
 Reduce-scatter and all-gather are measured on their own beforehand (:func:`measure_collectives`).
 """
@@ -207,3 +210,65 @@ def ddp_variants(
         listing = ", ".join(f"{n}: {k} parameters differ" for n, k in wrong.items() if k)
         raise WrongResultError(f"torch DDP at different bucket caps disagrees after one step: {listing}")
     return steps
+
+
+# FSDP units small enough that their bytes cost next to nothing: the step's extra time is the per-unit part
+FSDP_UNITS, FSDP_UNIT_WIDTH, FSDP_UNIT_BATCH = 16, 64, 8
+
+
+def _unit_stack() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(FSDP_UNITS):
+        layers += [torch.nn.Linear(FSDP_UNIT_WIDTH, FSDP_UNIT_WIDTH), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def fsdp_unit_variants(device: torch.device, rank: int, group=None) -> dict[str, Callable]:
+    """``fsdp_units_<ddp|keep|reshard>``: an AdamW step of :data:`FSDP_UNITS` x Linear(64) under fastpar DDP and
+    under ``fully_shard_model`` (one unit per Linear), each checked against DDP after one step first."""
+    from ...ddp import DistributedDataParallel
+    from ...shard import fully_shard_model
+
+    models = {
+        "fsdp_units_ddp": DistributedDataParallel(_unit_stack().to(device), process_group=group),
+        "fsdp_units_keep": fully_shard_model(_unit_stack().to(device), group=group, reshard_after_forward=False),
+        "fsdp_units_reshard": fully_shard_model(_unit_stack().to(device), group=group, reshard_after_forward=True),
+    }
+    x = torch.randn(FSDP_UNIT_BATCH, FSDP_UNIT_WIDTH, generator=torch.Generator().manual_seed(rank)).to(device)
+    steps = {}
+    for name, model in models.items():
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(model=model, optimizer=optimizer) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            optimizer.step()
+
+        step()
+        steps[name] = step
+
+    def full(model) -> torch.Tensor:
+        return torch.cat([getattr(p, "full_tensor", lambda p=p: p)().detach().reshape(-1) for p in model.parameters()])
+
+    reference = full(models["fsdp_units_ddp"])
+    wrong = {
+        n: launch.agree_count(count_mismatches(full(m), reference, rtol=1e-4, atol=1e-6), device)
+        for n, m in models.items()
+    }
+    if any(wrong.values()):
+        listing = ", ".join(f"{n}: {k} parameters differ" for n, k in wrong.items() if k)
+        raise WrongResultError(f"fully_shard_model disagrees with fastpar DDP after one step: {listing}")
+    return steps
+
+
+def fsdp_unit_overheads(seconds: dict[str, float]) -> dict[str, float]:
+    """The profile's ``overheads``: per unit, what sharding it kept gathered adds to DDP's step, and what
+    resharding it after forward adds on top (medians of the same interleaved rounds)."""
+    keep = (seconds["fsdp_units_keep"] - seconds["fsdp_units_ddp"]) / FSDP_UNITS
+    reshard = (seconds["fsdp_units_reshard"] - seconds["fsdp_units_keep"]) / FSDP_UNITS
+    return {
+        "fsdp_unit_s": max(0.0, keep),
+        "fsdp_regather_s": max(0.0, reshard),
+        "fsdp_unit_bytes": float((FSDP_UNIT_WIDTH + 1) * FSDP_UNIT_WIDTH * 4),
+    }
