@@ -121,8 +121,12 @@ def plan(
             flops_per_s=device_flops,
             # CPU ranks share this host: time one among its peers (capped: a plan must not fork a crowd)
             alongside=0 if on_gpu else min(devices - 1, MAX_PEERS),
+            optimizer=optimizer,
         )
-        opt_s = optimizer_seconds_per_element(optimizer, probe_device)
+        if measured.optimizer == optimizer and measured.optimizer_s_per_element is not None:
+            opt_s = measured.optimizer_s_per_element  # timed in the model's own loop, among its peers
+        else:
+            opt_s = optimizer_seconds_per_element(optimizer, probe_device)
     if on_gpu and not gpu_here:
         # an elementwise step is memory-bound: parameter read + write, gradient read, each state read + write
         opt_s = (3 + 2 * OPTIMIZER_STATE[optimizer][0]) * DTYPES[param_dtype] / GPU_MEMORY_BYTES_PER_S

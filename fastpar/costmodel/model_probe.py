@@ -14,10 +14,24 @@ with the batch; per layer, the forward is timed by hooks and the backward is spl
 too large to build on the host is measured on the meta device instead: the saved tensors' shapes are
 exact (attention through torch's math path), and compute comes from a FLOP count
 (``torch.utils.flop_counter``) at a measured matmul rate.
+
+On CPU ranks (one thread each) the timing runs in a forked child, the measured rank, while the peers run the
+same steps; given the plan's optimizer, the child then times its step in the model's loop (forward, backward,
+step) on its own copy of the parameters. The child's and the peers' allocators are set as a warmed-up training
+process's are: on CPU a step's gradients and the optimizer's temporaries (each as large as its parameter) come
+and go through glibc's allocator, which maps a large block afresh -- a page fault per page -- until enough large
+blocks were freed to raise its threshold, and may give freed memory back and map it again. Measured on this
+project's 2-core machine: AdamW on one 1M-element tensor at 2.4 or 6.5 ns per element and the backward of 8 x
+Linear(1024) at 29 or 46 ms, depending on what the process had run before; four plans in a row of that model
+predicted its DDP step at 79-122 ms (measured 80). The children keep blocks up to 256 MiB in the heap and freed
+memory until 512 MiB is free (``mallopt``), so every plan times the steady state, and the caller's process,
+its allocator and its parameters are left as they were.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import time
 from dataclasses import dataclass, field
 from statistics import median
@@ -28,10 +42,19 @@ from torch import nn
 from ..tensor_storage import StorageCounter
 from ..user_errors import UserError
 from .model_spec import ModelSpec, model_layers
+from .strategy_time import make_optimizer
 
 __all__ = ["ProbeResult", "matmul_flops_per_s", "probe"]
 
 _REPEATS = 3
+_WARMUP = 3  # rounds before the timed ones: a forked child first copies the pages it writes
+# timing the optimizer in the model's loop holds gradients and the optimizer's state (and parameters written, so
+# copied) in the child and in each peer: above this many bytes in all a plan times a lone tensor instead
+OPTIMIZER_TIMING_LIMIT_BYTES = 1 << 30
+_OPTIMIZER_STEPS = 5  # timed, after 2 that create the state and settle the allocator
+# glibc's mallopt parameters: keep blocks up to this size in the heap, and freed memory until this much is free
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_HEAP_BLOCK_LIMIT, _HEAP_TRIM_LIMIT = 256 << 20, 512 << 20
 
 
 @dataclass
@@ -53,6 +76,8 @@ class ProbeResult:
     method: str
     on_meta: bool = False  # activations from shapes on the meta device (attention through torch's math path)  # "measured on cpu" / "meta device + FLOP count"
     notes: list[str] = field(default_factory=list)
+    optimizer: str | None = None  # the optimizer timed in the loop, if one was
+    optimizer_s_per_element: float | None = None  # its step's seconds per parameter element
 
     def activation_bytes(self, batch: float, seq_len: int | None) -> list[float]:
         """Bytes per layer for ``batch`` samples of ``seq_len`` tokens."""
@@ -184,8 +209,8 @@ class _Peers:
     """``count`` forked processes stepping the same model on the same batch until the block ends: the other CPU
     ranks of a run, so the clock in this process sees the cores and memory bandwidth shared as they will be."""
 
-    def __init__(self, spec: ModelSpec, module: nn.Module, batch, count: int) -> None:
-        self.spec, self.module, self.batch, self.count = spec, module, batch, count
+    def __init__(self, spec: ModelSpec, module: nn.Module, batch, count: int, optimizer: str | None = None) -> None:
+        self.spec, self.module, self.batch, self.count, self.optimizer = spec, module, batch, count, optimizer
         self.procs: list = []
 
     def __enter__(self) -> _Peers:
@@ -196,7 +221,9 @@ class _Peers:
         ctx = mp.get_context("fork")  # the model and batch are already built here; a fork shares them as they are
         self.stop, started = ctx.Event(), ctx.Semaphore(0)
         for _ in range(self.count):
-            proc = ctx.Process(target=_peer_steps, args=(self.spec, self.module, self.batch, self.stop, started))
+            proc = ctx.Process(
+                target=_peer_steps, args=(self.spec, self.module, self.batch, self.optimizer, self.stop, started)
+            )
             proc.daemon = True
             proc.start()
             self.procs.append(proc)
@@ -215,11 +242,17 @@ class _Peers:
                 proc.join(5)
 
 
-def _peer_steps(spec, module, batch, stop, started) -> None:
+def _peer_steps(spec, module, batch, optimizer, stop, started) -> None:
     torch.set_num_threads(1)
+    _keep_freed_memory()
+    step = None
+    if optimizer is not None:  # the peers step too (on their copy of the model): they share memory bandwidth
+        step = make_optimizer(optimizer, [p for p in module.parameters() if p.requires_grad]).step
     started.release()
     while not stop.is_set():
         spec.loss_of(_call(module, batch), batch).backward()
+        if step is not None:
+            step()
         module.zero_grad(set_to_none=True)
 
 
@@ -247,20 +280,25 @@ def probe(
     materialize_limit_bytes: int = 2 << 30,
     flops_per_s: float | None = None,
     alongside: int = 0,
+    optimizer: str | None = None,
 ) -> ProbeResult:
     """Measure ``spec``'s activations and compute on a batch of ``batch_size`` (kept small: 1-2 samples).
     ``flops_per_s``: time the compute as FLOPs at this rate instead of with a clock (planning for a device
     that is not here). ``alongside``: CPU ranks that will share this host with the measured one; that many
     forked processes run the same steps while the clock runs, so the time is a rank's among its peers
-    (2 ranks on 2 cores compute 2-3x slower each than one process alone, measured)."""
+    (2 ranks on 2 cores compute 2-3x slower each than one process alone, measured). ``optimizer``: a plan's
+    optimizer name, timed in the model's loop by the forked child on CPU when the model is small enough
+    (:data:`OPTIMIZER_TIMING_LIMIT_BYTES`; the module docstring says why)."""
     device = torch.device(device)
     # the caller's random streams stay as they were (the Trainer plans between seeding and its first step)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        return _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per_s, alongside)
+        return _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per_s, alongside, optimizer)
 
 
-def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per_s, alongside) -> ProbeResult:
+def _probe(
+    spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per_s, alongside, optimizer=None
+) -> ProbeResult:
     counts = spec.layers()
     fp32_bytes = 4 * sum(layer.numel for layer in counts)
     real = fp32_bytes <= materialize_limit_bytes or spec.fixed_batch is not None
@@ -297,18 +335,20 @@ def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per
             act_lin.append(b2 / l2 - q * l2)
     notes = []
     fixed = (0.0, 0.0)
+    optimizer_s_per_element = None
     if real and flops_per_s is None:
         # two batch sizes, interleaved, so a fixed cost per step is not scaled with the batch
         sizes = [batch_size] if spec.fixed_batch is not None else [batch_size, 2 * batch_size]
         batches = {b: spec.batch(module, b, seq_len, device) for b in sizes}
-        runs = {b: [] for b in sizes}
-        peers = _Peers(spec, module, batches[sizes[-1]], alongside if device.type == "cpu" else 0)
-        with peers:
-            for k in range(_REPEATS + 1):
-                for b in sizes:
-                    run = _timed_step(spec, module, layers, batches[b])
-                    if k:  # the first round warms up
-                        runs[b].append(run)
+        alongside = alongside if device.type == "cpu" else 0
+        timed = optimizer if _optimizer_timed(optimizer, module, device, alongside) else None
+        with _Peers(spec, module, batches[sizes[-1]], alongside, timed):
+            if device.type == "cpu" and torch.get_num_threads() == 1 and hasattr(os, "fork"):
+                # a forked child is the measured rank: its allocator set as a warmed-up rank's (module docstring)
+                measured = _in_child(_timed_loop, spec, module, layers, batches, sizes, timed)
+            else:  # a multi-threaded process does not fork safely (OpenMP): timed here, the optimizer apart
+                measured = None
+            runs, optimizer_s_per_element = measured or _timed_loop(spec, module, layers, batches, sizes, None)
         top = sizes[-1]
         spans = [median(r[0][i] for r in runs[top]) for i in range(len(layers))]
         totals = {b: (median(r[1] for r in runs[b]), median(r[2] for r in runs[b])) for b in sizes}
@@ -347,6 +387,8 @@ def _probe(spec, batch_size, seq_len, device, materialize_limit_bytes, flops_per
         method=method,
         on_meta=not real,
         notes=notes,
+        optimizer=optimizer if optimizer_s_per_element is not None else None,
+        optimizer_s_per_element=optimizer_s_per_element,
     )
 
 
@@ -381,3 +423,82 @@ def _flop_times(spec, module, layers, batch_size, seq_len, flops_per_s, device):
             h.remove()
     spans = [f / rate for f in per_layer]
     return spans, forward_flops / rate, (total - forward_flops) / rate, rate
+
+
+def _optimizer_timed(optimizer: str | None, module: nn.Module, device: torch.device, peers: int) -> bool:
+    """Time ``optimizer`` in the model's loop: on CPU, when the child and the peers can hold its state."""
+    if optimizer is None or device.type != "cpu" or not hasattr(os, "fork"):
+        return False
+    from .strategy_memory import OPTIMIZER_STATE
+
+    params = [p for p in module.parameters() if p.requires_grad]
+    states = OPTIMIZER_STATE[optimizer][0] if optimizer in OPTIMIZER_STATE else 2
+    held = sum(p.numel() * p.element_size() for p in params) * (2 + states) * (1 + peers)
+    return bool(params) and held <= OPTIMIZER_TIMING_LIMIT_BYTES
+
+
+def _keep_freed_memory() -> None:
+    """This (forked) process's glibc allocator as a warmed-up training process's: large blocks from the heap, freed
+    memory kept for the next step (no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_BLOCK_LIMIT)
+        libc.mallopt(_M_TRIM_THRESHOLD, _HEAP_TRIM_LIMIT)
+    except (OSError, AttributeError):
+        pass
+
+
+def _timed_loop(spec, module: nn.Module, layers, batches: dict, sizes: list[int], optimizer: str | None):
+    """({batch size: [timed steps]}, optimizer seconds per element or None): the probe's rounds (the first warms
+    up), then, given ``optimizer``, its steps in the model's loop at the largest batch."""
+    runs = {b: [] for b in sizes}
+    for k in range(_REPEATS + _WARMUP):
+        for b in sizes:
+            run = _timed_step(spec, module, layers, batches[b])
+            if k >= _WARMUP:
+                runs[b].append(run)
+    if optimizer is None:
+        return runs, None
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = make_optimizer(optimizer, params)
+    times = []
+    for k in range(2 + _OPTIMIZER_STEPS):  # 2 create the state and settle the allocator
+        batch = batches[sizes[-1]]
+        spec.loss_of(_call(module, batch), batch).backward()
+        t0 = time.perf_counter()
+        opt.step()
+        if k >= 2:
+            times.append(time.perf_counter() - t0)
+        module.zero_grad(set_to_none=True)
+    return runs, median(times) / sum(p.numel() for p in params)
+
+
+def _in_child(fn, *args):
+    """``fn(*args)`` in a forked child (one thread, the allocator of :func:`_keep_freed_memory`; what it changes
+    stays there); None if the child failed."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child_main, args=(fn, args, send), daemon=True)
+    child.start()
+    send.close()
+    try:
+        value = receive.recv() if receive.poll(600) else None
+    except EOFError:
+        value = None
+    child.join(timeout=30)
+    if child.is_alive():
+        child.kill()
+        child.join(5)
+    return value
+
+
+def _child_main(fn, args, send) -> None:
+    torch.set_num_threads(1)
+    _keep_freed_memory()
+    try:
+        send.send(fn(*args))
+    except BaseException:  # the parent measures in its own process instead
+        send.send(None)
+    send.close()

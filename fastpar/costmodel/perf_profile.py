@@ -6,7 +6,8 @@ Schema ``fastpar.profile/1``::
      "collectives": {"allreduce": {"nbytes": [...], "seconds": [...]}, "reducescatter": ..., "allgather": ...},
      "moves_gbs": {"torch_pack": GB/s, "torch_unpack": ..., "fastpar_pack": ..., "fastpar_unpack": ...},
      "contention": {"compute_slowdown": k_c, "wire_slowdown": k_w},
-     "overheads": {"fsdp_unit_s": s, "fsdp_regather_s": s, "fsdp_unit_bytes": B},
+     "overheads": {"fsdp_unit_s": s, "fsdp_regather_s": s, "fsdp_unit_bytes": B,
+                   "pipeline_slot_s": s, "pipeline_message_bytes": B},
      "timeline": {"forward_s", "backward_s", "optimizer_s", "grads": [{"index", "nbytes", "dtype", "ready_s"}]},
      "model": {...}, "measured": [{"variant", "bucket_cap_mb", "world_size", "step_s", "source"}], "meta": {...}}
 
@@ -14,7 +15,9 @@ Collective times are the slowest rank's medians; ``moves_gbs`` are gradient byte
 each way of getting gradients into and out of buckets; ``timeline`` is the slowest rank's compute;
 ``overheads["fsdp_unit_s"]``: what one FSDP2 unit of ``fsdp_unit_bytes`` (a few KB) kept gathered after forward
 adds to a step beyond DDP's: its hooks, copies and both collectives' latency under load; ``fsdp_regather_s``:
-what resharding it after forward adds on top (its second gather). Absent in profiles written before them.
+what resharding it after forward adds on top (its second gather); ``pipeline_slot_s``: what one slot of a 1F1B
+pipeline (a microbatch through a stage, with its two messages of ``pipeline_message_bytes``) adds beyond its
+compute. Absent in profiles written before them.
 """
 
 from __future__ import annotations

@@ -80,6 +80,8 @@ class SyncCosts:
     fsdp_unit_s: float = 0.0  # per unit kept gathered after forward (a gather and a reduce-scatter)
     fsdp_regather_s: float = 0.0  # per unit resharded after forward (its second gather, before backward)
     fsdp_unit_bytes: float = 0.0
+    pipeline_slot_s: float = 0.0  # per slot of a pipeline schedule (a microbatch through a stage, its messages)
+    pipeline_message_bytes: float = 0.0
 
 
 @dataclass

@@ -3,7 +3,8 @@ priced by a calibrated profile or a fabric (collective_costs) and overlapped as 
 
 - ``ddp``: backward with each bucket all-reduced as it fills -- the step simulator (step_simulator.py) with
   the gradients ready at the end of their layer's measured backward; then the optimizer over all parameters.
-- ``zero1`` / ``zero2``: the same with a reduce-scatter per bucket; the optimizer over 1/N; the all-gather of
+- ``zero1`` / ``zero2``: the same with a reduce-scatter per bucket (ZeRO-2 first copies each gradient into its
+  staging buffer, priced at the profile's copy bandwidth); the optimizer over 1/N; the all-gather of
   the updated shards runs under the next forward (each module waits for its bucket). On CPU ranks ZeRO
   exchanges the shards point to point (gloo's own reduce-scatter is slower): each way the bytes of half an
   all-reduce, priced so.
@@ -20,7 +21,10 @@ priced by a calibrated profile or a fabric (collective_costs) and overlapped as 
 - ``pipeline``: M microbatches through S stages: (M + S - 1) slots of the slowest stage's forward + backward
   (interleaved 1F1B with V stages per rank: (V M + S - 1) slots of the slowest of its S V stages)
   of one microbatch and its two point-to-point messages (the bubble is (S - 1) / (M + S - 1) of it), then
-  the stage's gradients all-reduced across its dp = N / S replicas and its optimizer step.
+  the stage's gradients all-reduced across its dp = N / S replicas and its optimizer step; each microbatch after
+  the first adds its gradients into the stage's (priced at the profile's copy bandwidth). On CPU ranks each
+  slot also costs the profile's measured fixed time per slot (``SyncCosts.pipeline_slot_s``: the schedule's
+  Python and its messages' latency among busy ranks, beyond what the table prices for messages that small).
 
 Contention between compute and the wire on CPU ranks (the profile's factors) is applied to DDP and ZeRO,
 whose overlap the step simulator models; FSDP and pipeline overlaps are taken at face value.
@@ -39,25 +43,32 @@ from .bucket_optimizer import size_capped_buckets
 from .model_spec import Layer
 from .step_simulator import GradArrival, StepTimeline, SyncCosts, simulate_step
 
-__all__ = ["Comm", "optimizer_seconds_per_element", "strategy_step_seconds"]
+__all__ = ["Comm", "make_optimizer", "optimizer_seconds_per_element", "strategy_step_seconds"]
 
 Comm = Callable[[str, float, int], float]  # (op, nbytes, ranks) -> seconds; op: allreduce|reducescatter|allgather|p2p
 
 
-def optimizer_seconds_per_element(optimizer: str, device: str | torch.device = "cpu", numel: int = 1 << 20) -> float:
-    """Seconds per parameter element of one ``optimizer`` step here (torch's default implementation)."""
+def make_optimizer(optimizer: str, params) -> torch.optim.Optimizer:
+    """The torch optimizer a plan's ``optimizer`` name stands for (torch's default implementation)."""
     from .strategy_memory import OPTIMIZER_STATE
 
     if optimizer not in OPTIMIZER_STATE:
         raise ValueError(f"unknown optimizer {optimizer!r}; one of {', '.join(OPTIMIZER_STATE)}")
+    params = list(params)
+    return {
+        "adamw": lambda: torch.optim.AdamW(params, lr=1e-3),
+        "adam": lambda: torch.optim.Adam(params, lr=1e-3),
+        "sgd": lambda: torch.optim.SGD(params, lr=1e-3),
+        "sgd-momentum": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+    }[optimizer]()
+
+
+def optimizer_seconds_per_element(optimizer: str, device: str | torch.device = "cpu", numel: int = 1 << 20) -> float:
+    """Seconds per parameter element of one ``optimizer`` step here on a lone tensor (what a plan uses when the
+    probe could not time the step inside the model's own training loop: see ``model_probe.probe``)."""
     p = torch.nn.Parameter(torch.zeros(numel, device=device))
     p.grad = torch.ones_like(p)
-    opt = {
-        "adamw": lambda: torch.optim.AdamW([p], lr=1e-3),
-        "adam": lambda: torch.optim.Adam([p], lr=1e-3),
-        "sgd": lambda: torch.optim.SGD([p], lr=1e-3),
-        "sgd-momentum": lambda: torch.optim.SGD([p], lr=1e-3, momentum=0.9),
-    }[optimizer]()
+    opt = make_optimizer(optimizer, [p])
     opt.step()  # creates the state
     times = []
     for _ in range(5):
@@ -130,9 +141,12 @@ def strategy_step_seconds(
         else:  # ZeRO's point-to-point exchange on CPU ranks moves the bytes of half an all-reduce, either way
             p2p = options.get("p2p_comm", comm)  # on the fastpar backend it travels over gloo
             wire = lambda b: p2p("allreduce", b, n) / 2  # noqa: E731
-        # gradients are bucket views (nothing packed); DDP averages each bucket after it, ZeRO only its shard
+        # DDP's and ZeRO-1's gradients are bucket views (nothing packed), ZeRO-2 copies each one into its staging
+        # buffer in its hook; DDP averages each bucket after it, ZeRO only its shard
         sync = replace(
-            costs, pack_s_per_byte=0.0, unpack_s_per_byte=costs.unpack_s_per_byte if strategy == "ddp" else 0.0
+            costs,
+            pack_s_per_byte=costs.pack_s_per_byte if strategy == "zero2" else 0.0,
+            unpack_s_per_byte=costs.unpack_s_per_byte if strategy == "ddp" else 0.0,
         )
         sim = simulate_step(timeline, buckets, wire, sync) if buckets else None
         backward_and_sync = sim.sync_end_s if sim else timeline.backward_s
@@ -160,6 +174,9 @@ def strategy_step_seconds(
             reduce_itemsize,
             optimizer_s_per_element,
             options,
+            0.0 if on_gpu else costs.pipeline_slot_s,
+            costs.pipeline_message_bytes,
+            costs.pack_s_per_byte,
         )
     raise ValueError(f"unknown strategy {strategy!r}")
 
@@ -254,7 +271,18 @@ def _unit_fixed_seconds(count, reshard, on_gpu, costs, gathered, scattered, para
 
 
 def _pipeline_seconds(
-    layers, forward, backward, n, comm, p2p_comm, reduce_itemsize, optimizer_s_per_element, options
+    layers,
+    forward,
+    backward,
+    n,
+    comm,
+    p2p_comm,
+    reduce_itemsize,
+    optimizer_s_per_element,
+    options,
+    slot_fixed_s=0.0,
+    fixed_message_bytes=0.0,
+    accumulate_s_per_byte=0.0,
 ) -> float:
     stages = options["stage_layers"]  # stages x virtual stages; rank r runs r, r + S, ...
     s_count, m = options.get("stages", len(stages)), options["microbatches"]
@@ -262,11 +290,16 @@ def _pipeline_seconds(
     per_batch = options["stage_batch_scale"]  # a stage's microbatch relative to the per-rank batch timed
     slot = max(sum(forward[i] + backward[i] for i in members) * per_batch for members in stages)
     p2p = 2 * p2p_comm("p2p", options["boundary_bytes"], 2) if len(stages) > 1 else 0.0
+    if slot_fixed_s > 0 and len(stages) > 1:  # CPU ranks: the schedule's and the messages' fixed cost per slot,
+        # measured with small messages (perf_profile's overheads), less what the table prices for those
+        p2p += max(0.0, slot_fixed_s - 2 * p2p_comm("p2p", fixed_message_bytes, 2))
     dp = n // s_count
     stage_numel = max(
         sum(layers[i].numel for k in range(r, len(stages), s_count) for i in stages[k]) for r in range(s_count)
     )
     sync = comm("allreduce", stage_numel * reduce_itemsize, dp) if dp > 1 else 0.0
+    # every microbatch after the first adds its gradients into the stage's (autograd accumulates into .grad)
+    accumulate = (m - 1) * stage_numel * reduce_itemsize * accumulate_s_per_byte
     # each rank runs its V stages for every microbatch; the fill and drain take S - 1 slots of one stage: the
     # bubble is (S - 1) / (V M) of the step instead of (S - 1) / M
-    return (m * virtual + s_count - 1) * (slot + p2p) + sync + optimizer_s_per_element * stage_numel
+    return (m * virtual + s_count - 1) * (slot + p2p) + accumulate + sync + optimizer_s_per_element * stage_numel

@@ -302,21 +302,126 @@ def test_each_fsdp_unit_costs_the_profiles_fixed_time_on_cpu_ranks():
             param_itemsize=4,
             caps=(1 << 20, 25 << 20),
             on_gpu=on_gpu,
-            options={"reshard_after_forward": reshard},
+            options={"reshard_after_forward": reshard, "point_to_point": True},  # gloo: fastpar's exchanges
         )
 
     none = replace(costs, fsdp_unit_s=0.0, fsdp_regather_s=0.0)
     small = int(costs.fsdp_unit_bytes) // 4
-    tables = comm("allgather", small * 4, 2) + comm("reducescatter", small * 4, 2)
-    copies = small * 4 * 1.5 * 2 * costs.pack_s_per_byte
-    fixed = costs.fsdp_unit_s - tables - copies
+    one_way = comm("allreduce", small * 4, 2) / 2 + small * 4 * 1.5 * costs.pack_s_per_byte  # wire + copies
+    fixed = costs.fsdp_unit_s - 2 * one_way
+    assert fixed > 0.001  # gloo among busy ranks: milliseconds per unit beyond the tables
     assert step("fsdp", costs) - step("fsdp", none) == pytest.approx(4 * fixed)
-    regather = costs.fsdp_regather_s - comm("allgather", small * 4, 2) - small * 4 * 1.5 * costs.pack_s_per_byte
-    assert step("fsdp", costs, reshard=True) - step("fsdp", none, reshard=True) == pytest.approx(
-        4 * (fixed + max(0.0, regather))
-    )
+    regather = max(0.0, costs.fsdp_regather_s - one_way)
+    assert step("fsdp", costs, reshard=True) - step("fsdp", none, reshard=True) == pytest.approx(4 * (fixed + regather))
     assert step("fsdp", costs, on_gpu=True) == step("fsdp", none, on_gpu=True)
     assert step("ddp", costs) == step("ddp", none)
+
+
+def test_a_pipeline_slot_costs_the_profiles_fixed_time_and_microbatches_accumulate():
+    """Per slot of the schedule the profile's fixed time (less the table's price of its two small messages), and
+    each microbatch after the first adds the stage's gradients at the copy bandwidth."""
+    from dataclasses import replace
+
+    from fastpar.costmodel import planner_comm
+    from fastpar.costmodel.model_spec import Layer
+    from fastpar.costmodel.strategy_time import strategy_step_seconds
+
+    comm, costs, _ = planner_comm.comm_model(on_gpu=False, backend="gloo")
+    assert costs.pipeline_slot_s > 0 and costs.pipeline_message_bytes > 0  # the shipped profile's
+    layers = [Layer(f"b{i}", 1 << 20, True, ((1024, 1024),)) for i in range(4)]
+    options = dict(stage_layers=[[0, 1], [2, 3]], stages=2, microbatches=4, stage_batch_scale=0.5, boundary_bytes=4096)
+
+    def step(sync, on_gpu=False):
+        return strategy_step_seconds(
+            "pipeline",
+            layers,
+            [0.001] * 4,
+            [0.002] * 4,
+            devices=2,
+            comm=comm,
+            costs=sync,
+            optimizer_s_per_element=0.0,
+            reduce_itemsize=4,
+            param_itemsize=4,
+            caps=(1 << 20, 25 << 20),
+            on_gpu=on_gpu,
+            options=options,
+        )
+
+    bare = replace(costs, pipeline_slot_s=0.0, pack_s_per_byte=0.0)
+    slots = 4 + 2 - 1
+    fixed = costs.pipeline_slot_s - 2 * comm("p2p", costs.pipeline_message_bytes, 2)
+    accumulate = 3 * (2 << 20) * 4 * costs.pack_s_per_byte  # 3 microbatches add 2 layers' gradients
+    assert step(costs) - step(bare) == pytest.approx(slots * max(0.0, fixed) + accumulate)
+    assert step(costs, on_gpu=True) - step(bare, on_gpu=True) == pytest.approx(accumulate)
+
+
+def test_zero2_is_priced_with_the_copy_of_each_gradient_into_its_staging():
+    """ZeRO-1's gradients are bucket views; ZeRO-2 copies each into its staging buffer in its hook: at least the
+    gradient bytes at the profile's copy bandwidth more, nothing more without a copy cost."""
+    from dataclasses import replace
+
+    from fastpar.costmodel import planner_comm
+    from fastpar.costmodel.model_spec import Layer
+    from fastpar.costmodel.strategy_time import strategy_step_seconds
+
+    comm, costs, _ = planner_comm.comm_model(on_gpu=False, backend="fastpar")
+    layers = [Layer(f"b{i}", 1 << 20, True, ((1024, 1024),)) for i in range(4)]
+
+    def step(strategy, sync):
+        return strategy_step_seconds(
+            strategy,
+            layers,
+            [0.001] * 4,
+            [0.002] * 4,
+            devices=2,
+            comm=comm,
+            costs=sync,
+            optimizer_s_per_element=0.0,
+            reduce_itemsize=4,
+            param_itemsize=4,
+            caps=(1 << 20, 25 << 20),
+            on_gpu=False,
+            options={},
+        )
+
+    copy = 4 * (1 << 20) * 4 * costs.pack_s_per_byte
+    assert step("zero2", costs) - step("zero1", costs) >= copy * 0.999 > 0
+    free = replace(costs, pack_s_per_byte=0.0)
+    assert step("zero2", free) == step("zero1", free)
+
+
+def test_the_probe_times_the_optimizer_in_the_models_loop_and_leaves_the_model_as_it_was():
+    """On CPU ranks the probe times forward, backward and the optimizer's step in a forked child (its allocator set
+    as a warmed-up rank's): the plan uses that step, and the caller's parameters, gradients and random streams are
+    untouched."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3)))
+    before = [p.detach().clone() for p in model.parameters()]
+    spec = ModelSpec.from_module(model, torch.randn(8, 64), loss=lambda out, _batch: out.square().mean())
+    rng = torch.get_rng_state()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = probe(spec, batch_size=8, seq_len=None, alongside=1, optimizer="adamw")
+        alone = probe(spec, batch_size=8, seq_len=None, alongside=0)
+    finally:
+        torch.set_num_threads(threads)
+    assert result.optimizer == "adamw" and 0 < result.optimizer_s_per_element < 1e-6
+    assert alone.optimizer is None and alone.optimizer_s_per_element is None
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+    p = plan_for_module(
+        model,
+        torch.randn(8, 64),
+        loss=lambda out, _b: out.square().mean(),
+        devices=2,
+        device_memory="1GB",
+        optimizer="adamw",
+    )
+    assert p.probe.optimizer == "adamw"
+    assert all(torch.equal(q, b) for q, b in zip(model.parameters(), before, strict=True))
 
 
 ENCODER_LAYER = ["--model", "torch.nn:TransformerEncoderLayer", "--kwargs"]

@@ -27,7 +27,7 @@ whole step and its state + buffers per rank, beside the plan's prediction and th
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -66,6 +66,7 @@ class ShardSettings:
     batch: int
     microbatches: int
     memory: int | None  # the planner's device memory (bytes); None: 64 GiB, everything fits
+    plans: dict | None = None  # the plan of each wire (by variant suffix), made before the ranks started
 
 
 def build_model(width: int, depth: int, seed: int = 0) -> nn.Sequential:
@@ -236,10 +237,16 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: ShardSet
     del trainees
     if rank != 0:
         return None
-    plans: dict = {}
-    for suffix, group in wires.items():
-        plans[suffix] = _plan(settings, world_size, dist.get_backend(group), plans[""].probe if plans else None)
+    plans = settings.plans or _plans(settings, world_size, {s: dist.get_backend(g) for s, g in wires.items()})
     return _report(ctx, settings, world_size, seconds, memory, plans, list(wires))
+
+
+def _plans(settings: ShardSettings, world_size: int, backends: dict[str, str]) -> dict:
+    """The plan for each wire (variant suffix -> its backend), the later ones priced on the first's measurements."""
+    plans: dict = {}
+    for suffix, backend in backends.items():
+        plans[suffix] = _plan(settings, world_size, backend, plans[""].probe if plans else None)
+    return plans
 
 
 def _per_rank(memory: dict[str, int], device: torch.device) -> list[dict[str, int]]:
@@ -432,6 +439,12 @@ def run(ctx: BenchContext) -> BenchReport | None:
         except (ValueError, UserError) as exc:
             raise BenchUsageError(f"--device-memory: {exc}") from None
     settings = ShardSettings(flags.width, flags.depth, flags.batch or 64, flags.microbatches, memory)
+    world = launch.resolve_world(ctx.nproc, ctx.backend)
+    if not world.external:
+        # planned as `fastpar plan` plans: in this process before the ranks start, the probe's forked peers standing
+        # in for the other ranks (after the timing, rank 0 would probe beside ranks that are still leaving)
+        wires = {"": world.backend} | ({"_gloo": "gloo"} if world.backend == "fastpar" else {})
+        settings = replace(settings, plans=_plans(settings, world.nproc, wires))
     return launch.run_distributed(_rank_main, ctx, settings)
 
 

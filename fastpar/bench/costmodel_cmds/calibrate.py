@@ -35,10 +35,11 @@ from .calibration import (
     ContentionTrial,
     allreduce_variants,
     ddp_variants,
-    fsdp_unit_overheads,
     fsdp_unit_variants,
     measure_collectives,
     move_variants,
+    pipeline_slot_variants,
+    step_overheads,
 )
 from .grad_timeline import GradTimer, slowest_ranks
 from .validation import step_goal, validate
@@ -128,6 +129,7 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: Calibrat
     allreduces = allreduce_variants(ctx.sizes, device, rank, world_size)
     variants |= allreduces
     variants |= fsdp_unit_variants(device, rank)
+    variants |= pipeline_slot_variants(device, world_size)
     trial = None
     if device.type == "cpu":  # gloo's threads and backward share the cores
         probe = allreduce_variants([CONTENTION_BUCKET_BYTES], device, rank, world_size)
@@ -159,7 +161,7 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: Calibrat
         collectives=tables,
         moves_gbs={name: grad_bytes / seconds[name] / 1e9 for name in REDUCER_MOVES},
         contention=contention,
-        overheads=fsdp_unit_overheads(seconds),
+        overheads=step_overheads(seconds, world_size),
         timeline=timeline,
         model={
             "name": settings.model,
@@ -213,9 +215,14 @@ def _report(ctx: BenchContext, settings: CalibrateSettings, profile: Profile, pr
         rows.append(dict(kind="compute", item=name, measured_ms=seconds * 1e3, detail=f"{len(t.grads)} gradients"))
     for name in ("compute_slowdown", "wire_slowdown"):
         rows.append(dict(kind="contention", item=name, detail=f"{profile.contention[name]:.3f}"))
-    for name in ("fsdp_unit_s", "fsdp_regather_s"):
-        bytes_ = format_bytes(profile.overheads["fsdp_unit_bytes"])
-        rows.append(dict(kind="fsdp", item=name, measured_ms=profile.overheads[name] * 1e3, detail=f"{bytes_} units"))
+    for name, size in (
+        ("fsdp_unit_s", "fsdp_unit_bytes"),
+        ("fsdp_regather_s", "fsdp_unit_bytes"),
+        ("pipeline_slot_s", "pipeline_message_bytes"),
+    ):
+        if name in profile.overheads:
+            detail = f"{format_bytes(profile.overheads[size])} {'units' if size.startswith('fsdp') else 'messages'}"
+            rows.append(dict(kind="overhead", item=name, measured_ms=profile.overheads[name] * 1e3, detail=detail))
     checks = validate(profile)
     for check in checks:
         rows.append(

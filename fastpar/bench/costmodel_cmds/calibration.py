@@ -13,7 +13,9 @@ benchmark times them all together with ``launch.time_on_all_ranks``:
 - ``contention``: backward alone, a stream of all-reduces alone, then both at once (:class:`ContentionTrial`);
 - ``fsdp_units_ddp`` / ``fsdp_units_keep`` / ``fsdp_units_reshard``: a model of small units under fastpar DDP
   and ``fastpar.fully_shard_model``, kept gathered or resharded after forward: what a unit adds to a step
-  whatever its size (:func:`fsdp_unit_overheads`).
+  whatever its size; ``pipeline_slots_local`` / ``pipeline_slots``: the same small model stepped alone and
+  pipelined over the group's ranks (``fastpar.pipeline_model``, 1F1B): what a pipeline slot (one microbatch
+  through one stage, its two messages) adds whatever its compute (:func:`step_overheads`).
 
 Reduce-scatter and all-gather are measured on their own beforehand (:func:`measure_collectives`).
 """
@@ -214,6 +216,7 @@ def ddp_variants(
 
 # FSDP units small enough that their bytes cost next to nothing: the step's extra time is the per-unit part
 FSDP_UNITS, FSDP_UNIT_WIDTH, FSDP_UNIT_BATCH = 16, 64, 8
+PIPELINE_MICROBATCHES = 4
 
 
 def _unit_stack() -> torch.nn.Module:
@@ -262,13 +265,54 @@ def fsdp_unit_variants(device: torch.device, rank: int, group=None) -> dict[str,
     return steps
 
 
-def fsdp_unit_overheads(seconds: dict[str, float]) -> dict[str, float]:
-    """The profile's ``overheads``: per unit, what sharding it kept gathered adds to DDP's step, and what
-    resharding it after forward adds on top (medians of the same interleaved rounds)."""
+def pipeline_slot_variants(device: torch.device, world_size: int, group=None) -> dict[str, Callable]:
+    """``pipeline_slots_local``: an AdamW step of the small model alone on this rank's share of the batch;
+    ``pipeline_slots``: the model pipelined over the ``world_size`` ranks, :data:`PIPELINE_MICROBATCHES`
+    microbatches of :data:`FSDP_UNIT_BATCH` rows, 1F1B. Timed only: the pipeline's results are checked against
+    one-process accumulation by ``tests/shard``."""
+    from ...shard import pipeline_model
+
+    batch = torch.randn(world_size * FSDP_UNIT_BATCH, FSDP_UNIT_WIDTH, generator=torch.Generator().manual_seed(0))
+    batch = batch.to(device)
+    local = _unit_stack().to(device)
+    local_optimizer = torch.optim.AdamW(local.parameters(), lr=1e-3)
+    pipelined = pipeline_model(
+        _unit_stack().to(device),
+        stages=world_size,
+        loss_fn=lambda out, _target: out.square().mean(),
+        microbatches=PIPELINE_MICROBATCHES,
+        schedule="1f1b",
+        example_input=batch,
+        group=group,
+    )
+    optimizer = torch.optim.AdamW(pipelined.parameters(), lr=1e-3)
+
+    def alone() -> None:
+        local_optimizer.zero_grad(set_to_none=True)
+        local(batch[:FSDP_UNIT_BATCH]).square().mean().backward()
+        local_optimizer.step()
+
+    def pipelined_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        pipelined.step(batch, batch)
+        optimizer.step()
+
+    return {"pipeline_slots_local": alone, "pipeline_slots": pipelined_step}
+
+
+def step_overheads(seconds: dict[str, float], world_size: int) -> dict[str, float]:
+    """The profile's ``overheads`` (medians of the same interleaved rounds): per FSDP unit, what sharding it kept
+    gathered adds to DDP's step and what resharding it after forward adds on top; per pipeline slot (of the
+    (M + S - 1) of a 1F1B step), what pipelining adds to the model stepped alone."""
     keep = (seconds["fsdp_units_keep"] - seconds["fsdp_units_ddp"]) / FSDP_UNITS
     reshard = (seconds["fsdp_units_reshard"] - seconds["fsdp_units_keep"]) / FSDP_UNITS
-    return {
+    overheads = {
         "fsdp_unit_s": max(0.0, keep),
         "fsdp_regather_s": max(0.0, reshard),
         "fsdp_unit_bytes": float((FSDP_UNIT_WIDTH + 1) * FSDP_UNIT_WIDTH * 4),
     }
+    if "pipeline_slots" in seconds:
+        slots = PIPELINE_MICROBATCHES + world_size - 1
+        overheads["pipeline_slot_s"] = max(0.0, (seconds["pipeline_slots"] - seconds["pipeline_slots_local"]) / slots)
+        overheads["pipeline_message_bytes"] = float(FSDP_UNIT_BATCH * FSDP_UNIT_WIDTH * 4)
+    return overheads
