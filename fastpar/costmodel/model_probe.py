@@ -46,7 +46,7 @@ from .strategy_time import make_optimizer
 
 __all__ = ["ProbeResult", "matmul_flops_per_s", "probe"]
 
-_REPEATS = 3
+_REPEATS = 5
 _WARMUP = 3  # rounds before the timed ones: a forked child first copies the pages it writes
 # timing the optimizer in the model's loop holds gradients and the optimizer's state (and parameters written, so
 # copied) in the child and in each peer: above this many bytes in all a plan times a lone tensor instead

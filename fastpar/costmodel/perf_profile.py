@@ -7,7 +7,7 @@ Schema ``fastpar.profile/1``::
      "moves_gbs": {"torch_pack": GB/s, "torch_unpack": ..., "fastpar_pack": ..., "fastpar_unpack": ...},
      "contention": {"compute_slowdown": k_c, "wire_slowdown": k_w},
      "overheads": {"fsdp_unit_s": s, "fsdp_regather_s": s, "fsdp_unit_bytes": B,
-                   "pipeline_slot_s": s, "pipeline_message_bytes": B},
+                   "pipeline_slot_s": s, "pipeline_message_bytes": B, "zero_bucket_s": s, "zero_bucket_bytes": B},
      "timeline": {"forward_s", "backward_s", "optimizer_s", "grads": [{"index", "nbytes", "dtype", "ready_s"}]},
      "model": {...}, "measured": [{"variant", "bucket_cap_mb", "world_size", "step_s", "source"}], "meta": {...}}
 
@@ -17,7 +17,8 @@ each way of getting gradients into and out of buckets; ``timeline`` is the slowe
 adds to a step beyond DDP's: its hooks, copies and both collectives' latency under load; ``fsdp_regather_s``:
 what resharding it after forward adds on top (its second gather); ``pipeline_slot_s``: what one slot of a 1F1B
 pipeline (a microbatch through a stage, with its two messages of ``pipeline_message_bytes``) adds beyond its
-compute. Absent in profiles written before them.
+compute; ``zero_bucket_s``: what one ZeRO-1 bucket of ``zero_bucket_bytes`` adds to DDP's step (its two
+exchanges). Absent in profiles written before them.
 """
 
 from __future__ import annotations

@@ -88,6 +88,8 @@ def comm_model(*, profile: Any = None, fabric: Any = None, on_gpu: bool = False,
             fsdp_regather_s=profile.overheads.get("fsdp_regather_s", 0.0),
             pipeline_slot_s=profile.overheads.get("pipeline_slot_s", 0.0),
             pipeline_message_bytes=profile.overheads.get("pipeline_message_bytes", 0.0),
+            zero_bucket_s=profile.overheads.get("zero_bucket_s", 0.0),
+            zero_bucket_bytes=profile.overheads.get("zero_bucket_bytes", 0.0),
             fsdp_unit_bytes=profile.overheads.get("fsdp_unit_bytes", 0.0),
         )
         return comm, costs, f"profile {profile.backend} x{profile.world_size} ({profile.meta.get('created', '?')[:10]})"

@@ -82,6 +82,8 @@ class SyncCosts:
     fsdp_unit_bytes: float = 0.0
     pipeline_slot_s: float = 0.0  # per slot of a pipeline schedule (a microbatch through a stage, its messages)
     pipeline_message_bytes: float = 0.0
+    zero_bucket_s: float = 0.0  # per ZeRO bucket (its reduce-scatter and all-gather exchanges) beyond DDP's
+    zero_bucket_bytes: float = 0.0
 
 
 @dataclass

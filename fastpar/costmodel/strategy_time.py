@@ -4,7 +4,8 @@ priced by a calibrated profile or a fabric (collective_costs) and overlapped as 
 - ``ddp``: backward with each bucket all-reduced as it fills -- the step simulator (step_simulator.py) with
   the gradients ready at the end of their layer's measured backward; then the optimizer over all parameters.
 - ``zero1`` / ``zero2``: the same with a reduce-scatter per bucket (ZeRO-2 first copies each gradient into its
-  staging buffer, priced at the profile's copy bandwidth); the optimizer over 1/N; the all-gather of
+  staging buffer, priced at the profile's copy bandwidth; on CPU ranks each bucket also costs the profile's
+  measured fixed time per bucket, ``SyncCosts.zero_bucket_s``); the optimizer over 1/N; the all-gather of
   the updated shards runs under the next forward (each module waits for its bucket). On CPU ranks ZeRO
   exchanges the shards point to point (gloo's own reduce-scatter is slower): each way the bytes of half an
   all-reduce, priced so.
@@ -156,7 +157,10 @@ def strategy_step_seconds(
         gather_one = (lambda b: comm("allgather", b, n)) if on_gpu else wire
         gather = sum(gather_one(sum(sizes[i] for i in members)) for members in buckets)
         forward_s = _overlapped(sum(forward), gather, costs)
-        return forward_s + backward_and_sync + optimizer_s_per_element * numel / n
+        fixed = 0.0
+        if not on_gpu and costs.zero_bucket_s > 0:  # per bucket, measured with small ones, less their table price
+            fixed = len(buckets) * max(0.0, costs.zero_bucket_s - 2 * wire(costs.zero_bucket_bytes))
+        return forward_s + backward_and_sync + fixed + optimizer_s_per_element * numel / n
     if strategy == "fsdp":
         if options.get("point_to_point"):  # each way the bytes of half an all-reduce, as ZeRO's exchange
             comm = _point_to_point(comm)

@@ -64,17 +64,21 @@ def test_calibrate_writes_a_complete_profile(calibrated, capsys):
     assert max(ready[6], ready[7]) < min(ready[0], ready[1])
     assert timeline.backward_s >= max(ready.values()) and timeline.forward_s > 0
     assert [m["variant"] for m in profile.measured] == ["no_comm", "torch_ddp", "torch_ddp"]
-    # FSDP's fixed cost per unit, from 16 small units against DDP in the same rounds (both checked first), and a
-    # pipeline's per slot, from the same small model pipelined over the 2 ranks against it stepped alone
+    # FSDP's fixed cost per unit, from 16 small units against DDP in the same rounds (both checked first), a
+    # pipeline's per slot, from the same small model pipelined over the 2 ranks against it stepped alone, and a
+    # ZeRO bucket's, from ZeRO-1 with one bucket per layer against DDP with the same buckets
     assert set(profile.overheads) == {
         "fsdp_unit_s",
         "fsdp_regather_s",
         "fsdp_unit_bytes",
         "pipeline_slot_s",
         "pipeline_message_bytes",
+        "zero_bucket_s",
+        "zero_bucket_bytes",
     }
     assert profile.overheads["fsdp_unit_s"] > 0 and profile.overheads["fsdp_unit_bytes"] == 65 * 64 * 4
     assert profile.overheads["pipeline_slot_s"] > 0 and profile.overheads["pipeline_message_bytes"] == 8 * 64 * 4
+    assert profile.overheads["zero_bucket_s"] >= 0 and profile.overheads["zero_bucket_bytes"] == 65 * 64 * 4
     report = json.loads((calibrated / "calibrate.json").read_text())
     assert report["benchmark"] == "calibrate"
     (goal,) = report["summary"]["goals"]

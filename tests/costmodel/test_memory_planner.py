@@ -389,6 +389,14 @@ def test_zero2_is_priced_with_the_copy_of_each_gradient_into_its_staging():
     assert step("zero2", costs) - step("zero1", costs) >= copy * 0.999 > 0
     free = replace(costs, pack_s_per_byte=0.0)
     assert step("zero2", free) == step("zero1", free)
+    # each bucket costs the profile's fixed time beyond its two exchanges' table price
+    assert costs.zero_bucket_s > 0 and costs.zero_bucket_bytes > 0
+    extra = replace(free, zero_bucket_s=free.zero_bucket_s + 0.01)
+    from fastpar.costmodel.bucket_optimizer import size_capped_buckets
+    from fastpar.costmodel.strategy_time import _timeline
+
+    buckets = len(size_capped_buckets(_timeline(layers, [0.002] * 4, 4).grads, [1 << 20, 25 << 20]))
+    assert step("zero1", extra) - step("zero1", free) == pytest.approx(buckets * 0.01)
 
 
 def test_the_probe_times_the_optimizer_in_the_models_loop_and_leaves_the_model_as_it_was():

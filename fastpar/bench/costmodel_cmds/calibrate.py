@@ -40,6 +40,7 @@ from .calibration import (
     move_variants,
     pipeline_slot_variants,
     step_overheads,
+    zero_bucket_variants,
 )
 from .grad_timeline import GradTimer, slowest_ranks
 from .validation import step_goal, validate
@@ -130,6 +131,7 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: Calibrat
     variants |= allreduces
     variants |= fsdp_unit_variants(device, rank)
     variants |= pipeline_slot_variants(device, world_size)
+    variants |= zero_bucket_variants(device, rank)
     trial = None
     if device.type == "cpu":  # gloo's threads and backward share the cores
         probe = allreduce_variants([CONTENTION_BUCKET_BYTES], device, rank, world_size)
@@ -219,9 +221,11 @@ def _report(ctx: BenchContext, settings: CalibrateSettings, profile: Profile, pr
         ("fsdp_unit_s", "fsdp_unit_bytes"),
         ("fsdp_regather_s", "fsdp_unit_bytes"),
         ("pipeline_slot_s", "pipeline_message_bytes"),
+        ("zero_bucket_s", "zero_bucket_bytes"),
     ):
         if name in profile.overheads:
-            detail = f"{format_bytes(profile.overheads[size])} {'units' if size.startswith('fsdp') else 'messages'}"
+            what = {"fsdp": "units", "pipeline": "messages", "zero": "buckets"}[size.split("_")[0]]
+            detail = f"{format_bytes(profile.overheads[size])} {what}"
             rows.append(dict(kind="overhead", item=name, measured_ms=profile.overheads[name] * 1e3, detail=detail))
     checks = validate(profile)
     for check in checks:

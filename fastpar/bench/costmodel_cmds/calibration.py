@@ -15,7 +15,9 @@ benchmark times them all together with ``launch.time_on_all_ranks``:
   and ``fastpar.fully_shard_model``, kept gathered or resharded after forward: what a unit adds to a step
   whatever its size; ``pipeline_slots_local`` / ``pipeline_slots``: the same small model stepped alone and
   pipelined over the group's ranks (``fastpar.pipeline_model``, 1F1B): what a pipeline slot (one microbatch
-  through one stage, its two messages) adds whatever its compute (:func:`step_overheads`).
+  through one stage, its two messages) adds whatever its compute; ``zero_buckets_ddp`` / ``zero_buckets``: the
+  small model with one bucket per layer under fastpar DDP and under ZeRO-1: what a ZeRO bucket (its
+  reduce-scatter and all-gather exchanges) adds (:func:`step_overheads`).
 
 Reduce-scatter and all-gather are measured on their own beforehand (:func:`measure_collectives`).
 """
@@ -216,6 +218,7 @@ def ddp_variants(
 
 # FSDP units small enough that their bytes cost next to nothing: the step's extra time is the per-unit part
 FSDP_UNITS, FSDP_UNIT_WIDTH, FSDP_UNIT_BATCH = 16, 64, 8
+LAYER_BYTES = (FSDP_UNIT_WIDTH + 1) * FSDP_UNIT_WIDTH * 4
 PIPELINE_MICROBATCHES = 4
 
 
@@ -225,6 +228,41 @@ def _unit_stack() -> torch.nn.Module:
     for _ in range(FSDP_UNITS):
         layers += [torch.nn.Linear(FSDP_UNIT_WIDTH, FSDP_UNIT_WIDTH), torch.nn.GELU()]
     return torch.nn.Sequential(*layers)
+
+
+def zero_bucket_variants(device: torch.device, rank: int, group=None) -> dict[str, Callable]:
+    """``zero_buckets_ddp`` / ``zero_buckets``: an AdamW step of :data:`FSDP_UNITS` x Linear(64) with one bucket
+    per layer under fastpar DDP and under ZeRO-1 (``ShardedOptimizer``), checked against each other first
+    (bit for bit: ZeRO-1 sums as DDP does)."""
+    from ...ddp import DistributedDataParallel
+    from ...zero import ShardedOptimizer
+
+    caps = [LAYER_BYTES / 2**20]  # one Linear(64)'s weight and bias per bucket
+    ddp = DistributedDataParallel(_unit_stack().to(device), process_group=group, bucket_cap_mb_list=caps)
+    zero = DistributedDataParallel(_unit_stack().to(device), process_group=group, bucket_cap_mb_list=caps)
+    optimizers = {
+        "zero_buckets_ddp": (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3)),
+        "zero_buckets": (zero, ShardedOptimizer(zero, torch.optim.AdamW, lr=1e-3)),
+    }
+    x = torch.randn(FSDP_UNIT_BATCH, FSDP_UNIT_WIDTH, generator=torch.Generator().manual_seed(rank)).to(device)
+    steps = {}
+    for name, (model, optimizer) in optimizers.items():
+
+        def step(model=model, optimizer=optimizer) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            optimizer.step()
+            if hasattr(optimizer, "wait_for_params") and device.type == "cpu":
+                optimizer.wait_for_params()  # the all-gather runs in gloo's threads: inside the timed step
+
+        step()
+        step()  # the second builds the buckets by the gradients' real order
+        steps[name] = step
+    flat = {n: torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for n, (m, _) in optimizers.items()}
+    wrong = launch.agree_count(count_mismatches(flat["zero_buckets"], flat["zero_buckets_ddp"]), device)
+    if wrong:
+        raise WrongResultError(f"ZeRO-1 disagrees with fastpar DDP after two steps: {wrong} parameters differ")
+    return steps
 
 
 def fsdp_unit_variants(device: torch.device, rank: int, group=None) -> dict[str, Callable]:
@@ -302,15 +340,20 @@ def pipeline_slot_variants(device: torch.device, world_size: int, group=None) ->
 
 def step_overheads(seconds: dict[str, float], world_size: int) -> dict[str, float]:
     """The profile's ``overheads`` (medians of the same interleaved rounds): per FSDP unit, what sharding it kept
-    gathered adds to DDP's step and what resharding it after forward adds on top; per pipeline slot (of the
-    (M + S - 1) of a 1F1B step), what pipelining adds to the model stepped alone."""
+    gathered adds to DDP's step and what resharding it after forward adds on top; per ZeRO bucket, what ZeRO-1
+    adds to DDP's step; per pipeline slot (of the (M + S - 1) of a 1F1B step), what pipelining adds to the model
+    stepped alone."""
     keep = (seconds["fsdp_units_keep"] - seconds["fsdp_units_ddp"]) / FSDP_UNITS
     reshard = (seconds["fsdp_units_reshard"] - seconds["fsdp_units_keep"]) / FSDP_UNITS
     overheads = {
         "fsdp_unit_s": max(0.0, keep),
         "fsdp_regather_s": max(0.0, reshard),
-        "fsdp_unit_bytes": float((FSDP_UNIT_WIDTH + 1) * FSDP_UNIT_WIDTH * 4),
+        "fsdp_unit_bytes": float(LAYER_BYTES),
     }
+    if "zero_buckets" in seconds:
+        zero = (seconds["zero_buckets"] - seconds["zero_buckets_ddp"]) / FSDP_UNITS
+        overheads["zero_bucket_s"] = max(0.0, zero)
+        overheads["zero_bucket_bytes"] = float(LAYER_BYTES)
     if "pipeline_slots" in seconds:
         slots = PIPELINE_MICROBATCHES + world_size - 1
         overheads["pipeline_slot_s"] = max(0.0, (seconds["pipeline_slots"] - seconds["pipeline_slots_local"]) / slots)
