@@ -449,8 +449,8 @@ def _keep_freed_memory() -> None:
 
 
 def _timed_loop(spec, module: nn.Module, layers, batches: dict, sizes: list[int], optimizer: str | None):
-    """({batch size: [timed steps]}, optimizer seconds per element or None): the probe's rounds (the first warms
-    up), then, given ``optimizer``, its steps in the model's loop at the largest batch."""
+    """({batch size: [timed steps]}, optimizer seconds per element or None): the probe's rounds (the first
+    :data:`_WARMUP` warm up), then, given ``optimizer``, its steps in the model's loop at the largest batch."""
     runs = {b: [] for b in sizes}
     for k in range(_REPEATS + _WARMUP):
         for b in sizes:
@@ -475,16 +475,21 @@ def _timed_loop(spec, module: nn.Module, layers, batches: dict, sizes: list[int]
 
 def _in_child(fn, *args):
     """``fn(*args)`` in a forked child (one thread, the allocator of :func:`_keep_freed_memory`; what it changes
-    stays there); None if the child failed."""
+    stays there); None if the child failed or could not start (a daemonic caller may not have children)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_child_main, args=(fn, args, send), daemon=True)
-    child.start()
-    send.close()
     try:
-        value = receive.recv() if receive.poll(600) else None
+        child.start()
+    except (AssertionError, OSError):
+        receive.close()
+        return None
+    finally:
+        send.close()  # the child holds its own end: a child that dies ends the pipe, and recv raises EOFError
+    try:
+        value = receive.recv()
     except EOFError:
         value = None
     child.join(timeout=30)

@@ -158,8 +158,12 @@ def strategy_step_seconds(
         gather = sum(gather_one(sum(sizes[i] for i in members)) for members in buckets)
         forward_s = _overlapped(sum(forward), gather, costs)
         fixed = 0.0
-        if not on_gpu and costs.zero_bucket_s > 0:  # per bucket, measured with small ones, less their table price
-            fixed = len(buckets) * max(0.0, costs.zero_bucket_s - 2 * wire(costs.zero_bucket_bytes))
+        if not on_gpu and costs.zero_bucket_s > 0:
+            # per bucket: measured as ZeRO-1's step less DDP's with the same small buckets, so less the tables'
+            # price of ZeRO's two exchanges of such a bucket and plus that of DDP's all-reduce of it
+            small = costs.zero_bucket_bytes
+            priced = 2 * wire(small) - comm("allreduce", small, n)
+            fixed = len(buckets) * max(0.0, costs.zero_bucket_s - priced)
         return forward_s + backward_and_sync + fixed + optimizer_s_per_element * numel / n
     if strategy == "fsdp":
         if options.get("point_to_point"):  # each way the bytes of half an all-reduce, as ZeRO's exchange

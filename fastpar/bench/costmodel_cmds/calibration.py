@@ -216,35 +216,36 @@ def ddp_variants(
     return steps
 
 
-# FSDP units small enough that their bytes cost next to nothing: the step's extra time is the per-unit part
-FSDP_UNITS, FSDP_UNIT_WIDTH, FSDP_UNIT_BATCH = 16, 64, 8
-LAYER_BYTES = (FSDP_UNIT_WIDTH + 1) * FSDP_UNIT_WIDTH * 4
+# a model of small layers: the bytes of its units, slots and buckets cost next to nothing, so what a sharded step
+# adds to it is the fixed part per unit, slot and bucket
+SMALL_LAYERS, SMALL_WIDTH, SMALL_BATCH = 16, 64, 8
+LAYER_BYTES = (SMALL_WIDTH + 1) * SMALL_WIDTH * 4
 PIPELINE_MICROBATCHES = 4
 
 
-def _unit_stack() -> torch.nn.Module:
+def _small_model() -> torch.nn.Module:
     torch.manual_seed(0)
     layers: list[torch.nn.Module] = []
-    for _ in range(FSDP_UNITS):
-        layers += [torch.nn.Linear(FSDP_UNIT_WIDTH, FSDP_UNIT_WIDTH), torch.nn.GELU()]
+    for _ in range(SMALL_LAYERS):
+        layers += [torch.nn.Linear(SMALL_WIDTH, SMALL_WIDTH), torch.nn.GELU()]
     return torch.nn.Sequential(*layers)
 
 
 def zero_bucket_variants(device: torch.device, rank: int, group=None) -> dict[str, Callable]:
-    """``zero_buckets_ddp`` / ``zero_buckets``: an AdamW step of :data:`FSDP_UNITS` x Linear(64) with one bucket
+    """``zero_buckets_ddp`` / ``zero_buckets``: an AdamW step of :data:`SMALL_LAYERS` x Linear(64) with one bucket
     per layer under fastpar DDP and under ZeRO-1 (``ShardedOptimizer``), checked against each other first
     (bit for bit: ZeRO-1 sums as DDP does)."""
     from ...ddp import DistributedDataParallel
     from ...zero import ShardedOptimizer
 
     caps = [LAYER_BYTES / 2**20]  # one Linear(64)'s weight and bias per bucket
-    ddp = DistributedDataParallel(_unit_stack().to(device), process_group=group, bucket_cap_mb_list=caps)
-    zero = DistributedDataParallel(_unit_stack().to(device), process_group=group, bucket_cap_mb_list=caps)
+    ddp = DistributedDataParallel(_small_model().to(device), process_group=group, bucket_cap_mb_list=caps)
+    zero = DistributedDataParallel(_small_model().to(device), process_group=group, bucket_cap_mb_list=caps)
     optimizers = {
         "zero_buckets_ddp": (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3)),
         "zero_buckets": (zero, ShardedOptimizer(zero, torch.optim.AdamW, lr=1e-3)),
     }
-    x = torch.randn(FSDP_UNIT_BATCH, FSDP_UNIT_WIDTH, generator=torch.Generator().manual_seed(rank)).to(device)
+    x = torch.randn(SMALL_BATCH, SMALL_WIDTH, generator=torch.Generator().manual_seed(rank)).to(device)
     steps = {}
     for name, (model, optimizer) in optimizers.items():
 
@@ -266,17 +267,17 @@ def zero_bucket_variants(device: torch.device, rank: int, group=None) -> dict[st
 
 
 def fsdp_unit_variants(device: torch.device, rank: int, group=None) -> dict[str, Callable]:
-    """``fsdp_units_<ddp|keep|reshard>``: an AdamW step of :data:`FSDP_UNITS` x Linear(64) under fastpar DDP and
+    """``fsdp_units_<ddp|keep|reshard>``: an AdamW step of :data:`SMALL_LAYERS` x Linear(64) under fastpar DDP and
     under ``fully_shard_model`` (one unit per Linear), each checked against DDP after one step first."""
     from ...ddp import DistributedDataParallel
     from ...shard import fully_shard_model
 
     models = {
-        "fsdp_units_ddp": DistributedDataParallel(_unit_stack().to(device), process_group=group),
-        "fsdp_units_keep": fully_shard_model(_unit_stack().to(device), group=group, reshard_after_forward=False),
-        "fsdp_units_reshard": fully_shard_model(_unit_stack().to(device), group=group, reshard_after_forward=True),
+        "fsdp_units_ddp": DistributedDataParallel(_small_model().to(device), process_group=group),
+        "fsdp_units_keep": fully_shard_model(_small_model().to(device), group=group, reshard_after_forward=False),
+        "fsdp_units_reshard": fully_shard_model(_small_model().to(device), group=group, reshard_after_forward=True),
     }
-    x = torch.randn(FSDP_UNIT_BATCH, FSDP_UNIT_WIDTH, generator=torch.Generator().manual_seed(rank)).to(device)
+    x = torch.randn(SMALL_BATCH, SMALL_WIDTH, generator=torch.Generator().manual_seed(rank)).to(device)
     steps = {}
     for name, model in models.items():
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -306,16 +307,16 @@ def fsdp_unit_variants(device: torch.device, rank: int, group=None) -> dict[str,
 def pipeline_slot_variants(device: torch.device, world_size: int, group=None) -> dict[str, Callable]:
     """``pipeline_slots_local``: an AdamW step of the small model alone on this rank's share of the batch;
     ``pipeline_slots``: the model pipelined over the ``world_size`` ranks, :data:`PIPELINE_MICROBATCHES`
-    microbatches of :data:`FSDP_UNIT_BATCH` rows, 1F1B. Timed only: the pipeline's results are checked against
+    microbatches of :data:`SMALL_BATCH` rows, 1F1B. Timed only: the pipeline's results are checked against
     one-process accumulation by ``tests/shard``."""
     from ...shard import pipeline_model
 
-    batch = torch.randn(world_size * FSDP_UNIT_BATCH, FSDP_UNIT_WIDTH, generator=torch.Generator().manual_seed(0))
+    batch = torch.randn(world_size * SMALL_BATCH, SMALL_WIDTH, generator=torch.Generator().manual_seed(0))
     batch = batch.to(device)
-    local = _unit_stack().to(device)
+    local = _small_model().to(device)
     local_optimizer = torch.optim.AdamW(local.parameters(), lr=1e-3)
     pipelined = pipeline_model(
-        _unit_stack().to(device),
+        _small_model().to(device),
         stages=world_size,
         loss_fn=lambda out, _target: out.square().mean(),
         microbatches=PIPELINE_MICROBATCHES,
@@ -327,7 +328,7 @@ def pipeline_slot_variants(device: torch.device, world_size: int, group=None) ->
 
     def alone() -> None:
         local_optimizer.zero_grad(set_to_none=True)
-        local(batch[:FSDP_UNIT_BATCH]).square().mean().backward()
+        local(batch[:SMALL_BATCH]).square().mean().backward()
         local_optimizer.step()
 
     def pipelined_step() -> None:
@@ -343,19 +344,19 @@ def step_overheads(seconds: dict[str, float], world_size: int) -> dict[str, floa
     gathered adds to DDP's step and what resharding it after forward adds on top; per ZeRO bucket, what ZeRO-1
     adds to DDP's step; per pipeline slot (of the (M + S - 1) of a 1F1B step), what pipelining adds to the model
     stepped alone."""
-    keep = (seconds["fsdp_units_keep"] - seconds["fsdp_units_ddp"]) / FSDP_UNITS
-    reshard = (seconds["fsdp_units_reshard"] - seconds["fsdp_units_keep"]) / FSDP_UNITS
+    keep = (seconds["fsdp_units_keep"] - seconds["fsdp_units_ddp"]) / SMALL_LAYERS
+    reshard = (seconds["fsdp_units_reshard"] - seconds["fsdp_units_keep"]) / SMALL_LAYERS
     overheads = {
         "fsdp_unit_s": max(0.0, keep),
         "fsdp_regather_s": max(0.0, reshard),
         "fsdp_unit_bytes": float(LAYER_BYTES),
     }
     if "zero_buckets" in seconds:
-        zero = (seconds["zero_buckets"] - seconds["zero_buckets_ddp"]) / FSDP_UNITS
+        zero = (seconds["zero_buckets"] - seconds["zero_buckets_ddp"]) / SMALL_LAYERS
         overheads["zero_bucket_s"] = max(0.0, zero)
         overheads["zero_bucket_bytes"] = float(LAYER_BYTES)
     if "pipeline_slots" in seconds:
         slots = PIPELINE_MICROBATCHES + world_size - 1
         overheads["pipeline_slot_s"] = max(0.0, (seconds["pipeline_slots"] - seconds["pipeline_slots_local"]) / slots)
-        overheads["pipeline_message_bytes"] = float(FSDP_UNIT_BATCH * FSDP_UNIT_WIDTH * 4)
+        overheads["pipeline_message_bytes"] = float(SMALL_BATCH * SMALL_WIDTH * 4)
     return overheads
