@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 
 from fastpar.costmodel.memory_planner import STRATEGIES, parse_bytes, plan, plan_for_module
 from fastpar.costmodel.model_probe import _SavedTensorCounter, probe
-from fastpar.costmodel.model_spec import ModelSpec, model_layers
+from fastpar.costmodel.model_spec import Layer, ModelSpec, model_layers
 from fastpar.costmodel.pipeline_split import balanced_split
 from fastpar.costmodel.reference_transformer import ReferenceTransformer
 from fastpar.user_errors import UserError
@@ -273,37 +274,43 @@ def test_cpu_ranks_are_priced_with_the_profile_of_their_backend():
         planner_comm.comm_model(on_gpu=False, backend="mpi")
 
 
+# four 4 MiB blocks, 1 and 2 ms of forward and backward each: what the pricing tests below price
+BLOCKS = [Layer(f"b{i}", 1 << 20, True, ((1024, 1024),)) for i in range(4)]
+
+
+def _priced(strategy, comm, costs, *, on_gpu=False, options=None) -> float:
+    """The planner's step seconds of ``strategy`` over :data:`BLOCKS` at 2 ranks, fp32, no optimizer time."""
+    from fastpar.costmodel.strategy_time import strategy_step_seconds
+
+    return strategy_step_seconds(
+        strategy,
+        BLOCKS,
+        [0.001] * 4,
+        [0.002] * 4,
+        devices=2,
+        comm=comm,
+        costs=costs,
+        optimizer_s_per_element=0.0,
+        reduce_itemsize=4,
+        param_itemsize=4,
+        caps=(1 << 20, 25 << 20),
+        on_gpu=on_gpu,
+        options=options or {},
+    )
+
+
 def test_each_fsdp_unit_costs_the_profiles_fixed_time_on_cpu_ranks():
     """A unit's fixed cost (FSDP2's hooks and its collectives' latency among busy ranks, measured with small
     units by calibrate) is added per unit, less what the tables already price for a unit that small; the
     shipped profiles carry it; GPUs and DDP are priced as before."""
-    from dataclasses import replace
-
     from fastpar.costmodel import planner_comm
-    from fastpar.costmodel.model_spec import Layer
-    from fastpar.costmodel.strategy_time import strategy_step_seconds
 
     comm, costs, _ = planner_comm.comm_model(on_gpu=False, backend="gloo")
     assert costs.fsdp_unit_s > 0 and costs.fsdp_unit_bytes > 0  # bench/results/profile-cpu-2rank-mlp.json
-    layers = [Layer(f"b{i}", 1 << 20, True, ((1024, 1024),)) for i in range(4)]
-    forward, backward = [0.001] * 4, [0.002] * 4
 
     def step(strategy, sync, on_gpu=False, reshard=False):
-        return strategy_step_seconds(
-            strategy,
-            layers,
-            forward,
-            backward,
-            devices=2,
-            comm=comm,
-            costs=sync,
-            optimizer_s_per_element=0.0,
-            reduce_itemsize=4,
-            param_itemsize=4,
-            caps=(1 << 20, 25 << 20),
-            on_gpu=on_gpu,
-            options={"reshard_after_forward": reshard, "point_to_point": True},  # gloo: fastpar's exchanges
-        )
+        options = {"reshard_after_forward": reshard, "point_to_point": True}  # gloo: fastpar's exchanges
+        return _priced(strategy, comm, sync, on_gpu=on_gpu, options=options)
 
     none = replace(costs, fsdp_unit_s=0.0, fsdp_regather_s=0.0)
     small = int(costs.fsdp_unit_bytes) // 4
@@ -320,33 +327,14 @@ def test_each_fsdp_unit_costs_the_profiles_fixed_time_on_cpu_ranks():
 def test_a_pipeline_slot_costs_the_profiles_fixed_time_and_microbatches_accumulate():
     """Per slot of the schedule the profile's fixed time (less the table's price of its two small messages), and
     each microbatch after the first adds the stage's gradients at the copy bandwidth."""
-    from dataclasses import replace
-
     from fastpar.costmodel import planner_comm
-    from fastpar.costmodel.model_spec import Layer
-    from fastpar.costmodel.strategy_time import strategy_step_seconds
 
     comm, costs, _ = planner_comm.comm_model(on_gpu=False, backend="gloo")
     assert costs.pipeline_slot_s > 0 and costs.pipeline_message_bytes > 0  # the shipped profile's
-    layers = [Layer(f"b{i}", 1 << 20, True, ((1024, 1024),)) for i in range(4)]
     options = dict(stage_layers=[[0, 1], [2, 3]], stages=2, microbatches=4, stage_batch_scale=0.5, boundary_bytes=4096)
 
     def step(sync, on_gpu=False):
-        return strategy_step_seconds(
-            "pipeline",
-            layers,
-            [0.001] * 4,
-            [0.002] * 4,
-            devices=2,
-            comm=comm,
-            costs=sync,
-            optimizer_s_per_element=0.0,
-            reduce_itemsize=4,
-            param_itemsize=4,
-            caps=(1 << 20, 25 << 20),
-            on_gpu=on_gpu,
-            options=options,
-        )
+        return _priced("pipeline", comm, sync, on_gpu=on_gpu, options=options)
 
     bare = replace(costs, pipeline_slot_s=0.0, pack_s_per_byte=0.0)
     slots = 4 + 2 - 1
@@ -359,44 +347,20 @@ def test_a_pipeline_slot_costs_the_profiles_fixed_time_and_microbatches_accumula
 def test_zero2_is_priced_with_the_copy_of_each_gradient_into_its_staging():
     """ZeRO-1's gradients are bucket views; ZeRO-2 copies each into its staging buffer in its hook: at least the
     gradient bytes at the profile's copy bandwidth more, nothing more without a copy cost."""
-    from dataclasses import replace
-
     from fastpar.costmodel import planner_comm
-    from fastpar.costmodel.model_spec import Layer
-    from fastpar.costmodel.strategy_time import strategy_step_seconds
-
-    comm, costs, _ = planner_comm.comm_model(on_gpu=False, backend="fastpar")
-    layers = [Layer(f"b{i}", 1 << 20, True, ((1024, 1024),)) for i in range(4)]
-
-    def step(strategy, sync):
-        return strategy_step_seconds(
-            strategy,
-            layers,
-            [0.001] * 4,
-            [0.002] * 4,
-            devices=2,
-            comm=comm,
-            costs=sync,
-            optimizer_s_per_element=0.0,
-            reduce_itemsize=4,
-            param_itemsize=4,
-            caps=(1 << 20, 25 << 20),
-            on_gpu=False,
-            options={},
-        )
-
-    copy = 4 * (1 << 20) * 4 * costs.pack_s_per_byte
-    assert step("zero2", costs) - step("zero1", costs) >= copy * 0.999 > 0
-    free = replace(costs, pack_s_per_byte=0.0)
-    assert step("zero2", free) == step("zero1", free)
-    # each bucket costs the profile's fixed time beyond its two exchanges' table price
-    assert costs.zero_bucket_s > 0 and costs.zero_bucket_bytes > 0
-    extra = replace(free, zero_bucket_s=free.zero_bucket_s + 0.01)
     from fastpar.costmodel.bucket_optimizer import size_capped_buckets
     from fastpar.costmodel.strategy_time import _timeline
 
-    buckets = len(size_capped_buckets(_timeline(layers, [0.002] * 4, 4).grads, [1 << 20, 25 << 20]))
-    assert step("zero1", extra) - step("zero1", free) == pytest.approx(buckets * 0.01)
+    comm, costs, _ = planner_comm.comm_model(on_gpu=False, backend="fastpar")
+    copy = 4 * (1 << 20) * 4 * costs.pack_s_per_byte
+    assert _priced("zero2", comm, costs) - _priced("zero1", comm, costs) >= copy * 0.999 > 0
+    free = replace(costs, pack_s_per_byte=0.0)
+    assert _priced("zero2", comm, free) == _priced("zero1", comm, free)
+    # each bucket costs the profile's fixed time beyond its two exchanges' table price
+    assert costs.zero_bucket_s > 0 and costs.zero_bucket_bytes > 0
+    extra = replace(free, zero_bucket_s=free.zero_bucket_s + 0.01)
+    buckets = len(size_capped_buckets(_timeline(BLOCKS, [0.002] * 4, 4).grads, [1 << 20, 25 << 20]))
+    assert _priced("zero1", comm, extra) - _priced("zero1", comm, free) == pytest.approx(buckets * 0.01)
 
 
 def test_the_probe_times_the_optimizer_in_the_models_loop_and_leaves_the_model_as_it_was():

@@ -234,36 +234,18 @@ def _small_model() -> torch.nn.Module:
 def zero_bucket_variants(device: torch.device, rank: int, group=None) -> dict[str, Callable]:
     """``zero_buckets_ddp`` / ``zero_buckets``: an AdamW step of :data:`SMALL_LAYERS` x Linear(64) with one bucket
     per layer under fastpar DDP and under ZeRO-1 (``ShardedOptimizer``), checked against each other first
-    (bit for bit: ZeRO-1 sums as DDP does)."""
+    (bit for bit: ZeRO-1 sums as DDP does; the second step builds the buckets by the gradients' real order)."""
     from ...ddp import DistributedDataParallel
     from ...zero import ShardedOptimizer
 
     caps = [LAYER_BYTES / 2**20]  # one Linear(64)'s weight and bias per bucket
     ddp = DistributedDataParallel(_small_model().to(device), process_group=group, bucket_cap_mb_list=caps)
     zero = DistributedDataParallel(_small_model().to(device), process_group=group, bucket_cap_mb_list=caps)
-    optimizers = {
+    trainees = {
         "zero_buckets_ddp": (ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3)),
         "zero_buckets": (zero, ShardedOptimizer(zero, torch.optim.AdamW, lr=1e-3)),
     }
-    x = torch.randn(SMALL_BATCH, SMALL_WIDTH, generator=torch.Generator().manual_seed(rank)).to(device)
-    steps = {}
-    for name, (model, optimizer) in optimizers.items():
-
-        def step(model=model, optimizer=optimizer) -> None:
-            optimizer.zero_grad(set_to_none=True)
-            model(x).square().mean().backward()
-            optimizer.step()
-            if hasattr(optimizer, "wait_for_params") and device.type == "cpu":
-                optimizer.wait_for_params()  # the all-gather runs in gloo's threads: inside the timed step
-
-        step()
-        step()  # the second builds the buckets by the gradients' real order
-        steps[name] = step
-    flat = {n: torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for n, (m, _) in optimizers.items()}
-    wrong = launch.agree_count(count_mismatches(flat["zero_buckets"], flat["zero_buckets_ddp"]), device)
-    if wrong:
-        raise WrongResultError(f"ZeRO-1 disagrees with fastpar DDP after two steps: {wrong} parameters differ")
-    return steps
+    return _checked_steps(trainees, device, rank, first_steps=2, what="ZeRO-1")
 
 
 def fsdp_unit_variants(device: torch.device, rank: int, group=None) -> dict[str, Callable]:
@@ -277,30 +259,40 @@ def fsdp_unit_variants(device: torch.device, rank: int, group=None) -> dict[str,
         "fsdp_units_keep": fully_shard_model(_small_model().to(device), group=group, reshard_after_forward=False),
         "fsdp_units_reshard": fully_shard_model(_small_model().to(device), group=group, reshard_after_forward=True),
     }
+    trainees = {n: (m, torch.optim.AdamW(m.parameters(), lr=1e-3)) for n, m in models.items()}
+    # FSDP2 reduce-scatters the sum and divides after, DDP divides first: equal within rounding
+    return _checked_steps(trainees, device, rank, first_steps=1, what="fully_shard_model", rtol=1e-4, atol=1e-6)
+
+
+def _checked_steps(trainees: dict, device: torch.device, rank: int, *, first_steps: int, what: str, **tolerance):
+    """A timed step for each ``(model, optimizer)`` on this rank's batch of the small model, after ``first_steps``
+    steps whose parameters must agree with the first trainee's (the reference: fastpar DDP) on every rank."""
     x = torch.randn(SMALL_BATCH, SMALL_WIDTH, generator=torch.Generator().manual_seed(rank)).to(device)
     steps = {}
-    for name, model in models.items():
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for name, (model, optimizer) in trainees.items():
 
         def step(model=model, optimizer=optimizer) -> None:
             optimizer.zero_grad(set_to_none=True)
             model(x).square().mean().backward()
             optimizer.step()
+            if hasattr(optimizer, "wait_for_params") and device.type == "cpu":
+                optimizer.wait_for_params()  # ZeRO's all-gather runs in gloo's threads: inside the timed step
 
-        step()
+        for _ in range(first_steps):
+            step()
         steps[name] = step
 
     def full(model) -> torch.Tensor:
         return torch.cat([getattr(p, "full_tensor", lambda p=p: p)().detach().reshape(-1) for p in model.parameters()])
 
-    reference = full(models["fsdp_units_ddp"])
+    reference = full(next(iter(trainees.values()))[0])
     wrong = {
-        n: launch.agree_count(count_mismatches(full(m), reference, rtol=1e-4, atol=1e-6), device)
-        for n, m in models.items()
+        n: launch.agree_count(count_mismatches(full(m), reference, **tolerance), device)
+        for n, (m, _) in trainees.items()
     }
     if any(wrong.values()):
         listing = ", ".join(f"{n}: {k} parameters differ" for n, k in wrong.items() if k)
-        raise WrongResultError(f"fully_shard_model disagrees with fastpar DDP after one step: {listing}")
+        raise WrongResultError(f"{what} disagrees with fastpar DDP after {first_steps} step(s): {listing}")
     return steps
 
 
@@ -351,12 +343,12 @@ def step_overheads(seconds: dict[str, float], world_size: int) -> dict[str, floa
         "fsdp_regather_s": max(0.0, reshard),
         "fsdp_unit_bytes": float(LAYER_BYTES),
     }
-    if "zero_buckets" in seconds:
-        zero = (seconds["zero_buckets"] - seconds["zero_buckets_ddp"]) / SMALL_LAYERS
-        overheads["zero_bucket_s"] = max(0.0, zero)
-        overheads["zero_bucket_bytes"] = float(LAYER_BYTES)
-    if "pipeline_slots" in seconds:
-        slots = PIPELINE_MICROBATCHES + world_size - 1
-        overheads["pipeline_slot_s"] = max(0.0, (seconds["pipeline_slots"] - seconds["pipeline_slots_local"]) / slots)
-        overheads["pipeline_message_bytes"] = float(SMALL_BATCH * SMALL_WIDTH * 4)
-    return overheads
+    zero = (seconds["zero_buckets"] - seconds["zero_buckets_ddp"]) / SMALL_LAYERS
+    slots = PIPELINE_MICROBATCHES + world_size - 1
+    pipeline = (seconds["pipeline_slots"] - seconds["pipeline_slots_local"]) / slots
+    return overheads | {
+        "zero_bucket_s": max(0.0, zero),
+        "zero_bucket_bytes": float(LAYER_BYTES),
+        "pipeline_slot_s": max(0.0, pipeline),
+        "pipeline_message_bytes": float(SMALL_BATCH * SMALL_WIDTH * 4),
+    }
