@@ -20,12 +20,10 @@ same steps; given the plan's optimizer, the child then times its step in the mod
 step) on its own copy of the parameters. The child's and the peers' allocators are set as a warmed-up training
 process's are: on CPU a step's gradients and the optimizer's temporaries (each as large as its parameter) come
 and go through glibc's allocator, which maps a large block afresh -- a page fault per page -- until enough large
-blocks were freed to raise its threshold, and may give freed memory back and map it again. Measured on this
-project's 2-core machine: AdamW on one 1M-element tensor at 2.4 or 6.5 ns per element and the backward of 8 x
-Linear(1024) at 29 or 46 ms, depending on what the process had run before; four plans in a row of that model
-predicted its DDP step at 79-122 ms (measured 80). The children keep blocks up to 256 MiB in the heap and freed
-memory until 512 MiB is free (``mallopt``), so every plan times the steady state, and the caller's process,
-its allocator and its parameters are left as they were.
+blocks were freed to raise its threshold, and may give freed memory back and map it again: timed in the caller's
+process, the same step comes out fast or slow depending on what the process ran before. The children keep
+blocks up to 256 MiB in the heap and freed memory until 512 MiB is free (``mallopt``), so every plan times the
+steady state, and the caller's process, its allocator and its parameters are left as they were.
 """
 
 from __future__ import annotations
