@@ -11,7 +11,18 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["innermost_unit", "place_shared_parameters", "repeated_blocks", "unit_numels"]
+__all__ = [
+    "CPU_UNIT_BYTES",
+    "group_units",
+    "innermost_unit",
+    "place_shared_parameters",
+    "repeated_blocks",
+    "unit_layout",
+    "unit_numels",
+]
+
+# glibc's largest mmap threshold on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX): a block above it is mapped afresh
+CPU_UNIT_BYTES = 32 * 1024 * 1024
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -43,9 +54,9 @@ def repeated_blocks(model: nn.Module) -> list[str]:
     return found
 
 
-def unit_numels(model: nn.Module) -> tuple[int, list[int]]:
-    """(the root unit's own elements, each unit's) under ``wrap="auto"``, after a shared parameter's placement
-    (:func:`place_shared_parameters`); a tied parameter once, in the unit that holds it."""
+def unit_layout(model: nn.Module) -> tuple[list[str], list[int], int]:
+    """(each unit's name, each unit's elements, the root's own elements) under ``wrap="auto"``, after a shared
+    parameter's placement (:func:`place_shared_parameters`); a tied parameter once, in the unit that holds it."""
     import warnings
 
     with warnings.catch_warnings():  # fully_shard_model says it when it shards; a plan only counts
@@ -58,7 +69,31 @@ def unit_numels(model: nn.Module) -> tuple[int, list[int]]:
         claimed.update(id(p) for p in params)
         units.append(sum(p.numel() for p in params))
     root = sum(p.numel() for p in model.parameters() if id(p) not in claimed)
-    return root, units
+    return names, units, root
+
+
+def unit_numels(model: nn.Module, blocks_per_unit: int = 1) -> tuple[int, list[int]]:
+    """(the root unit's own elements, each unit's) under ``wrap="auto"`` with ``blocks_per_unit`` blocks a unit."""
+    names, sizes, root = unit_layout(model)
+    size = dict(zip(names, sizes, strict=True))
+    return root, [sum(size[name] for name in group) for group in group_units(names, blocks_per_unit)]
+
+
+def group_units(units: list[str], blocks_per_unit: int) -> list[list[str]]:
+    """``units`` (not the root) in groups of up to ``blocks_per_unit`` consecutive siblings: units of one parent
+    module, next to each other in ``units``. A group never spans two containers (an encoder's last layer and a
+    decoder's first run at different times)."""
+    if not isinstance(blocks_per_unit, int) or isinstance(blocks_per_unit, bool) or blocks_per_unit < 1:
+        raise ValueError(f"blocks_per_unit={blocks_per_unit!r}: give the number of blocks a unit holds (1 or more)")
+    groups: list[list[str]] = []
+    for name in units:
+        parent = name.rpartition(".")[0]
+        last = groups[-1] if groups else None
+        if last is not None and len(last) < blocks_per_unit and last[-1].rpartition(".")[0] == parent:
+            last.append(name)
+        else:
+            groups.append([name])
+    return groups
 
 
 def innermost_unit(module_name: str, unit_set: set[str]) -> str:

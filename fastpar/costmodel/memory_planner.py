@@ -31,6 +31,7 @@ import torch
 
 from ..user_errors import UserError
 from .bucket_caps import bucket_caps
+from .fsdp_units import CPU_UNIT_BYTES, group_units
 from .model_probe import ProbeResult, probe
 from .model_spec import Layer, ModelSpec
 from .pipeline_split import SCHEDULES, pipeline_options, stage_internals
@@ -86,6 +87,7 @@ def plan(
     threads: int | None = None,
     device_flops: float | None = None,
     activation_checkpointing: bool | None = None,
+    fsdp_blocks_per_unit: int | None = None,
 ) -> Plan:
     """Per-device bytes and predicted step time of each strategy for ``spec`` on ``devices`` devices of
     ``device_memory`` bytes (None: the smallest GPU NVML reports); ``batch_size`` samples per device of
@@ -99,8 +101,15 @@ def plan(
     ``activation_checkpointing``: None prices DDP, ZeRO and FSDP2 with and without checkpointing the repeated
     blocks (``fastpar.shard.checkpoint_activations(model)``: each keeps its input and recomputes the rest in
     backward), True only with, False only without; a model without repeated blocks the probe measured one by
-    one is priced without."""
+    one is priced without. ``fsdp_blocks_per_unit``: FSDP2 with that many consecutive blocks grouped into one
+    unit (``fully_shard_model(blocks_per_unit=...)``); None: on CPU ranks each grouping up to
+    :data:`~fastpar.costmodel.fsdp_units.CPU_UNIT_BYTES` a unit is priced for units kept gathered after forward
+    and the fastest that fits kept (``choice_options["blocks_per_unit"]``); on GPUs one block a unit."""
     _check(devices, batch_size, param_dtype, reduce_dtype, optimizer, strategies, headroom)
+    if fsdp_blocks_per_unit is not None and (
+        not isinstance(fsdp_blocks_per_unit, int) or isinstance(fsdp_blocks_per_unit, bool) or fsdp_blocks_per_unit < 1
+    ):
+        raise UserError(f"fsdp_blocks_per_unit must be an integer >= 1 or None, got {fsdp_blocks_per_unit!r}")
     memory = _device_memory(device_memory)
     usable = int(memory * (1 - headroom))
     seq_len = seq_len if seq_len is not None else spec.seq_len
@@ -153,6 +162,9 @@ def plan(
     context.p2p_comm = p2p_comm
     if "fsdp" in strategies:
         context.units = spec.fsdp_units()
+        context.fsdp_groupings = _fsdp_groupings(
+            spec, layers, max(sizes.param, sizes.reduce), on_gpu, fsdp_blocks_per_unit
+        )
         context.fsdp_point_to_point = not on_gpu and backend != "fastpar"  # gloo (the CPU default): gloo_exchange.py
     if activation_checkpointing is not False:
         context.checkpointed = _checkpointable(spec, layers)
@@ -163,6 +175,7 @@ def plan(
     for strategy in strategies:
         for options in _variants(strategy, context, batch_size, stages, schedules, microbatches):
             estimates.append(context.estimate(strategy, options, batch_size))
+    estimates = _best_groupings(estimates)
     best = _pick(estimates)
     advice, suggestions = ("", {}) if best else _advice(context, estimates, batch_size, strategies)
     notes = measured.notes + notes
@@ -235,6 +248,8 @@ class _Context:
     seq_len: int | None
     usable: int
     units: tuple[int, list[int]] | None = None  # FSDP2's root and units under wrap="auto" (fsdp_units.py)
+    # blocks_per_unit -> (the root's and each unit's elements, each unit's span of layers or None) priced for FSDP2
+    fsdp_groupings: dict[int, tuple[tuple[int, list[int]], list[tuple[int, int]] | None]] | None = None
     # the blocks activation checkpointing (blocks="auto") would wrap, each as the (first, last) of its probed layers
     checkpointed: tuple[tuple[int, int], ...] = ()
     checkpointing: tuple[bool, ...] = (False,)  # the variants priced: without, with, or both
@@ -255,7 +270,10 @@ class _Context:
     def estimate(self, strategy: str, options: dict, batch_size: int, devices: int | None = None) -> StrategyEstimate:
         n = devices or self.devices
         full = options | stage_internals(self, options, batch_size) if strategy == "pipeline" else options
-        if strategy == "fsdp" and self.units is not None:
+        if strategy == "fsdp" and self.fsdp_groupings is not None:
+            units, spans = self.fsdp_groupings[options.get("blocks_per_unit", 1)]
+            full = full | {"units": units} | ({"unit_spans": spans} if spans else {})
+        elif strategy == "fsdp" and self.units is not None:
             full = full | {"units": self.units}
         if strategy == "fsdp":
             full = full | {"point_to_point": self.fsdp_point_to_point}
@@ -309,8 +327,83 @@ class _Context:
 def _variants(strategy, context: _Context, batch_size, stages, schedules, microbatches) -> list[dict]:
     if strategy == "pipeline":  # a stage keeps only its microbatches' activations: no checkpointing there
         return pipeline_options(context, batch_size, stages, schedules, microbatches)
-    base = [{"reshard_after_forward": True}, {"reshard_after_forward": False}] if strategy == "fsdp" else [{}]
+    base = [{}]
+    if strategy == "fsdp":
+        groupings = sorted(context.fsdp_groupings or {1: None})
+        # groups only where the units stay gathered until backward: resharding is for the least memory, and a
+        # group's whole buffer would be gathered again (allocated anew) in backward; unless the caller chose the
+        # group (one grouping priced: the caller's, for both)
+        resharded = groupings if len(groupings) == 1 else [1]
+        base = [
+            {"reshard_after_forward": reshard} | ({"blocks_per_unit": k} if k > 1 else {})
+            for reshard, ks in ((True, resharded), (False, groupings))
+            for k in ks
+        ]
     return [o | ({"activation_checkpointing": True} if ckpt else {}) for ckpt in context.checkpointing for o in base]
+
+
+def _fsdp_groupings(
+    spec: ModelSpec, layers: Sequence[Layer], itemsize: int, on_gpu: bool, only: int | None = None
+) -> dict:
+    """The groupings of FSDP2 units priced: ``blocks_per_unit`` -> ((root elements, each unit's), each unit's span
+    of layers), for units kept gathered after forward. On CPU ranks each unit costs milliseconds whatever its
+    size, so consecutive blocks are grouped while a unit stays within
+    :data:`~fastpar.costmodel.fsdp_units.CPU_UNIT_BYTES` and two units are left; on GPUs a unit's fixed cost hides
+    under the kernels, so only one block a unit. Without a span for every unit (a unit inside one probed layer),
+    only one block a unit, priced layer by layer. ``only``: that grouping alone, whatever its size."""
+    names, sizes, root = spec.fsdp_unit_layout()
+    spans = _spans(names, [layer.name for layer in layers])
+    size = dict(zip(names, sizes, strict=True))
+    where = dict(zip(names, spans or [], strict=False))
+    groupings: dict = {}
+    seen: set[tuple[int, ...]] = set()
+    for k in (only,) if only else (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+        if k > 1 and not only and (on_gpu or spans is None or k >= len(names)):
+            break  # at least two units: one alone gathers everything before any compute and overlaps nothing
+        groups = group_units(names, k)
+        numels = [sum(size[name] for name in group) for group in groups]
+        if k > 1 and not only and max(numels) * itemsize > CPU_UNIT_BYTES:
+            break  # glibc maps larger blocks afresh at every step (fsdp_units.py)
+        shape = tuple(len(group) for group in groups)
+        if shape in seen:
+            continue
+        seen.add(shape)
+        grouped_spans = [(where[group[0]][0], where[group[-1]][1]) for group in groups] if spans else None
+        groupings[k] = ((root, numels), grouped_spans)
+    return groupings
+
+
+def _spans(modules: Sequence[str], layer_names: Sequence[str]) -> list[tuple[int, int]] | None:
+    """Each of ``modules`` as the first and last index of the layers it is made of, or None where a module is not a
+    run of whole layers (it is inside one probed layer, or its layers are not consecutive)."""
+    spans = []
+    for module in modules:
+        inside = [i for i, name in enumerate(layer_names) if name == module or name.startswith(module + ".")]
+        if not inside or inside != list(range(inside[0], inside[-1] + 1)):
+            return None
+        spans.append((inside[0], inside[-1]))
+    return spans
+
+
+def _best_groupings(estimates: list[StrategyEstimate]) -> list[StrategyEstimate]:
+    """FSDP2's estimates with one grouping of units each (per resharding and checkpointing): the fastest that fits,
+    the fewest blocks a unit among those within :data:`TIE` of it; where none fits, the smallest."""
+    kept: dict[tuple, StrategyEstimate] = {}
+    rows: dict[tuple, list[StrategyEstimate]] = {}
+    for e in estimates:
+        if e.strategy == "fsdp":
+            key = (e.options.get("reshard_after_forward", True), bool(e.options.get("activation_checkpointing")))
+            rows.setdefault(key, []).append(e)
+    for key, group in rows.items():
+        fitting = [e for e in group if e.fits]
+        if fitting:
+            fastest = min(e.step_s for e in fitting)
+            tied = [e for e in fitting if e.step_s <= fastest * (1 + TIE)]
+            kept[key] = min(tied, key=lambda e: e.options.get("blocks_per_unit", 1))
+        else:
+            kept[key] = min(group, key=lambda e: e.memory.total)
+    chosen = {id(e) for e in kept.values()}
+    return [e for e in estimates if e.strategy != "fsdp" or id(e) in chosen]
 
 
 def _checkpointable(spec: ModelSpec, layers: Sequence[Layer]) -> tuple[tuple[int, int], ...]:
@@ -324,14 +417,7 @@ def _checkpointable(spec: ModelSpec, layers: Sequence[Layer]) -> tuple[tuple[int
         blocks = repeated_blocks(spec.build("meta"))
     except Exception:  # noqa: BLE001 - a spec that can't be built on the meta device: nothing to price
         return ()
-    names = [layer.name for layer in layers]
-    spans = []
-    for block in blocks:
-        inside = [i for i, name in enumerate(names) if name == block or name.startswith(block + ".")]
-        if not inside or inside != list(range(inside[0], inside[-1] + 1)):
-            return ()
-        spans.append((inside[0], inside[-1]))
-    return tuple(spans)
+    return tuple(_spans(blocks, [layer.name for layer in layers]) or ())
 
 
 def _pick(estimates: Sequence[StrategyEstimate]) -> StrategyEstimate | None:

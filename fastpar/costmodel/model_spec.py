@@ -98,7 +98,7 @@ class ModelSpec:
     # flash/memory-efficient kernels that keep none (the meta device runs the math path, which keeps L x L)
     quadratic_is_sdpa: bool = False
     _layers: list[Layer] | None = field(default=None, repr=False)
-    _units: tuple[int, list[int]] | None = field(default=None, repr=False)
+    _units: tuple[list[str], list[int], int] | None = field(default=None, repr=False)
 
     # -- ways to name a model -------------------------------------------------------------------------
     @classmethod
@@ -216,10 +216,15 @@ class ModelSpec:
 
     def fsdp_units(self) -> tuple[int, list[int]]:
         """(the root unit's own elements, each unit's) as ``fully_shard_model(wrap="auto")`` wraps the model."""
-        if self._units is None:
-            from .fsdp_units import unit_numels
+        _, sizes, root = self.fsdp_unit_layout()
+        return root, sizes
 
-            self._units = unit_numels(self.build("meta"))
+    def fsdp_unit_layout(self) -> tuple[list[str], list[int], int]:
+        """(each unit's name, its elements, the root's own elements) under ``fully_shard_model(wrap="auto")``."""
+        if self._units is None:
+            from .fsdp_units import unit_layout
+
+            self._units = unit_layout(self.build("meta"))
         return self._units
 
     def param_shapes(self) -> list[tuple[int, ...]]:

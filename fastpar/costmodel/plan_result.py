@@ -48,7 +48,9 @@ class StrategyEstimate:
     def label(self) -> str:
         ckpt = " ckpt" if self.options.get("activation_checkpointing") else ""  # checkpointed blocks
         if self.strategy == "fsdp":
-            return "fsdp " + ("reshard" if self.options.get("reshard_after_forward", True) else "keep") + ckpt
+            mode = "reshard" if self.options.get("reshard_after_forward", True) else "keep"
+            group = f" x{self.options['blocks_per_unit']}" if self.options.get("blocks_per_unit", 1) > 1 else ""
+            return f"fsdp {mode}{group}{ckpt}"
         if self.strategy == "pipeline":
             o = self.options
             if o.get("virtual_stages", 1) > 1:  # interleaved: S ranks x V stages each
@@ -61,7 +63,8 @@ class StrategyEstimate:
 class Plan:
     """What :func:`plan` found. ``choice``: the fastest strategy that fits (None when none does; ``advice`` then
     says what would, ``suggestions`` the same as ``{"devices": n, "batch_size": b, "param_dtype": "bf16"}``);
-    ``choice_options``: its options (``{"reshard_after_forward": ...}`` for fsdp,
+    ``choice_options``: its options (``{"reshard_after_forward": ...}`` for fsdp, with ``"blocks_per_unit"`` where
+    the plan groups consecutive blocks into one unit,
     ``{"stages", "schedule", "microbatches", "split"}`` for pipeline (``split``: the layer indices where
     stages 1.. begin), ``{}`` otherwise)."""
 

@@ -3,21 +3,22 @@ priced by a calibrated profile or a fabric (collective_costs) and overlapped as 
 
 - ``ddp``: backward with each bucket all-reduced as it fills -- the step simulator (step_simulator.py) with
   the gradients ready at the end of their layer's measured backward; then the optimizer over all parameters.
-- ``zero1`` / ``zero2``: the same with a reduce-scatter per bucket (ZeRO-2 first copies each gradient into its
-  staging buffer, priced at the profile's copy bandwidth; on CPU ranks each bucket also costs the profile's
-  measured fixed time per bucket, ``SyncCosts.zero_bucket_s``); the optimizer over 1/N; the all-gather of
+- ``zero1`` / ``zero2``: the same with a reduce-scatter per bucket (ZeRO-2's buckets split into the runs that fit
+  its staging buffers, as the runtime splits them; it first copies each gradient into its staging buffer,
+  priced at the profile's copy bandwidth; on CPU ranks each bucket also costs the profile's measured fixed
+  time per bucket, ``SyncCosts.zero_bucket_s``); the optimizer over 1/N; the all-gather of
   the updated shards runs under the next forward (each module waits for its bucket). On CPU ranks ZeRO
   exchanges the shards point to point (gloo's own reduce-scatter is slower): each way the bytes of half an
   all-reduce, priced so.
-- ``fsdp``: per unit (the repeated layers; the rest is the root unit) an all-gather before its forward and,
-  when resharded after forward, again before its backward (not the last unit, which stays gathered), and a
-  reduce-scatter of its gradients after it, each with FSDP2's copies into and out of the flat buffers
-  (priced at the profile's copy bandwidth). On GPUs the wire runs one collective at a time under the
-  compute, the next unit's gather prefetched while this one computes; on CPU ranks the collectives and the
+- ``fsdp``: per unit (the layers each unit runs, ``unit_spans``: one block or a group of them; the rest is the root
+  unit) an all-gather before its forward and, when resharded after forward, again before its backward (not the last
+  unit, which stays gathered), and a reduce-scatter of its gradients after it, each with FSDP2's copies into and out
+  of the flat buffers (priced at the profile's copy bandwidth). On GPUs the wire runs one collective at a time under
+  the compute, the next unit's gather prefetched while this one computes; on CPU ranks the collectives and the
   compute share the cores, so they are taken one after the other. On gloo the gathers and reduce-scatters are
-  fastpar's point-to-point exchanges, priced as ZeRO's: each way the bytes of half an all-reduce. On CPU ranks
-  each unit also costs the profile's measured fixed time per unit (``SyncCosts.fsdp_unit_s``: FSDP2's hooks
-  and its collectives' latency among busy ranks, beyond what the tables price for a unit that small), and
+  fastpar's point-to-point exchanges, priced as ZeRO's: each way the bytes of half an all-reduce. On CPU ranks each
+  unit also costs the profile's measured fixed time per unit (``SyncCosts.fsdp_unit_s``: FSDP2's hooks and its
+  collectives' latency among busy ranks, beyond what the tables price for a unit that small), and
   ``fsdp_regather_s`` more when resharded after forward.
 - ``pipeline``: M microbatches through S stages: (M + S - 1) slots of the slowest stage's forward + backward
   (interleaved 1F1B with V stages per rank: (V M + S - 1) slots of the slowest of its S V stages)
@@ -43,6 +44,7 @@ import torch
 from .bucket_optimizer import size_capped_buckets
 from .model_spec import Layer
 from .step_simulator import GradArrival, StepTimeline, SyncCosts, simulate_step
+from .zero_staging import split_to_fit, staging_numel
 
 __all__ = ["Comm", "make_optimizer", "optimizer_seconds_per_element", "strategy_step_seconds"]
 
@@ -135,6 +137,14 @@ def strategy_step_seconds(
         timeline = _timeline(layers, backward, reduce_itemsize)
         timeline = StepTimeline(timeline.grads, timeline.backward_s, sum(forward), 0.0)
         buckets = size_capped_buckets(timeline.grads, [caps[0], caps[1]]) if timeline.grads else []
+        if strategy == "zero2":  # the runtime's rule (zero_staging.py): each bucket split into runs that fit a buffer
+            limit = staging_numel(numel, reduce_itemsize, n, caps[1], not on_gpu)
+            numels = {g.index: g.nbytes // reduce_itemsize for g in timeline.grads}
+            buckets = [
+                [members[k] for k in run]
+                for members in buckets
+                for run in split_to_fit([numels[i] for i in members], limit)
+            ]
         if strategy == "ddp":
             wire = lambda b: comm("allreduce", b, n)  # noqa: E731
         elif on_gpu:
@@ -211,10 +221,14 @@ def _point_to_point(comm: Comm) -> Comm:
 
 
 def _fsdp_seconds(layers, forward, backward, n, comm, param_itemsize, reduce_itemsize, on_gpu, options, costs):
-    units = [i for i, layer in enumerate(layers) if layer.repeated and layer.numel]
-    first, last = (units[0], units[-1]) if units else (len(layers), -1)
-    root = [i for i in range(len(layers)) if i not in units]
-    root_numel = sum(layers[i].numel for i in root)
+    # each unit as the span of layers it runs (first, last); without spans (``options["unit_spans"]``), each
+    # repeated layer with parameters is a unit. Layers outside every span belong to the root.
+    spans = options.get("unit_spans") or [(i, i) for i, layer in enumerate(layers) if layer.repeated and layer.numel]
+    first_of = {a: k for k, (a, _) in enumerate(spans)}
+    last_of = {b: k for k, (_, b) in enumerate(spans)}
+    inside = {i for a, b in spans for i in range(a, b + 1)}
+    root_numel = sum(layer.numel for i, layer in enumerate(layers) if i not in inside)
+    unit_numel = [sum(layer.numel for layer in layers[a : b + 1]) for a, b in spans]
     copy = costs.pack_s_per_byte  # FSDP2 copies shards into the gather buffer and out of it, grads likewise
 
     def gathered(numel: int) -> tuple[float, float]:  # (wire, copies) of one unit's all-gather
@@ -227,41 +241,38 @@ def _fsdp_seconds(layers, forward, backward, n, comm, param_itemsize, reduce_ite
 
     reshard = options.get("reshard_after_forward", True)
     wire = _Wire()
-    # forward: the root unit gathered first, then each unit's gather (under the previous unit on GPUs)
+    # forward: the root unit gathered first, then each unit's gather as it starts (under the previous unit on GPUs)
     w, c = gathered(root_numel)
     now = wire.run(0.0, w) + c
-    now += sum(forward[i] for i in root if i < first)
     previous_start = now
-    for u in units:
-        w, c = gathered(layers[u].numel)
-        arrived = wire.run(previous_start if on_gpu else now, w) + c
-        previous_start = max(now, arrived)
-        now = previous_start + forward[u]
-    now += sum(forward[i] for i in root if i > last)
-    # backward: the root's layers after the units first; the last unit stayed gathered after forward (fastpar's
-    # fully_shard_model keeps it); each other unit's gather issued as the unit after it starts (GPUs: under it)
-    now += sum(backward[i] for i in root if i > last)
-    order = list(reversed(units))
-    arrived: dict[int, float] = {}
-    for k, u in enumerate(order):
-        start = max(now, arrived.get(u, 0.0))
-        if reshard and k + 1 < len(order):
-            w, c = gathered(layers[order[k + 1]].numel)
-            arrived[order[k + 1]] = wire.run(start, w) + c
-            if not on_gpu:  # CPU ranks: the gather and this backward share the cores; taken one after the other
-                start = arrived[order[k + 1]]
-        now = start + backward[u]
-        w, c = scattered(layers[u].numel)
-        done = wire.run(now, w) + c
-        now = now + c if on_gpu else done
-    now += sum(backward[i] for i in root if i < first)
+    for i in range(len(layers)):
+        if i in first_of:
+            w, c = gathered(unit_numel[first_of[i]])
+            arrived = wire.run(previous_start if on_gpu else now, w) + c
+            previous_start = now = max(now, arrived)
+        now += forward[i]
+    # backward, last layer first: the last unit stayed gathered after forward (fastpar's fully_shard_model keeps
+    # it); each other unit's gather issued as the unit after it starts (GPUs: under it); each unit's gradients
+    # reduce-scattered once its first layer's backward is done
+    arrived_at: dict[int, float] = {}
+    for i in reversed(range(len(layers))):
+        if i in last_of:
+            k = last_of[i]
+            now = max(now, arrived_at.get(k, 0.0))
+            if reshard and k > 0:
+                w, c = gathered(unit_numel[k - 1])
+                arrived_at[k - 1] = wire.run(now, w) + c
+                if not on_gpu:  # CPU ranks: the gather and this backward share the cores; taken one after the other
+                    now = arrived_at[k - 1]
+        now += backward[i]
+        if i in first_of:
+            w, c = scattered(unit_numel[first_of[i]])
+            done = wire.run(now, w) + c
+            now = now + c if on_gpu else done
     w, c = scattered(root_numel)
+    count = len(spans) + (1 if root_numel else 0)
     return (
-        wire.run(now, w)
-        + c
-        + _unit_fixed_seconds(
-            len(units) + (1 if root_numel else 0), reshard, on_gpu, costs, gathered, scattered, param_itemsize
-        )
+        wire.run(now, w) + c + _unit_fixed_seconds(count, reshard, on_gpu, costs, gathered, scattered, param_itemsize)
     )
 
 

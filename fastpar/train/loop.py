@@ -208,6 +208,8 @@ class Run:
             self.world_size,
             self.device,
             activation_checkpointing=_planned_checkpointing(self.opts.activation_checkpointing),
+            # the plan groups only wrap="auto"'s blocks: other units are priced one block a unit
+            fsdp_blocks_per_unit=self.opts.fsdp_blocks_per_unit if self.opts.fsdp_wrap == "auto" else 1,
         )
 
     def _example_batch(self, module: torch.nn.Module | None = None) -> Any:

@@ -85,6 +85,8 @@ class TrainingOptions:
     # a parameter count (modules at least that big) | block class names (such as ("TransformerBlock",))
     fsdp_wrap: str | int | tuple[str, ...] = "auto"
     fsdp_reshard_after_forward: bool | None = None  # fsdp: free gathered parameters after forward (None: the plan's)
+    # fsdp: consecutive blocks grouped into one unit, one all-gather and reduce-scatter for them (None: the plan's, 1)
+    fsdp_blocks_per_unit: int | None = None
     # measure the first step's peak memory per process (forward, backward, optimizer) into
     # TrainingResult.peak_memory_bytes: torch's MemTracker on CPU (it slows that one step), max_memory_allocated on GPUs
     measure_peak_memory: bool = False
@@ -287,7 +289,7 @@ class TrainingOptions:
                 parse_bytes(self.memory_budget)
             except ValueError as exc:
                 raise OptionError("memory_budget", f"TrainingOptions.memory_budget: {exc}") from None
-        for name in ("pipeline_stages", "microbatches"):
+        for name in ("pipeline_stages", "microbatches", "fsdp_blocks_per_unit"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise OptionError(name, f"TrainingOptions.{name} must be an integer >= 1 or None, got {value!r}")
@@ -313,7 +315,7 @@ class TrainingOptions:
                 f"{self.fsdp_reshard_after_forward!r}",
             )
         pipeline_only = {"pipeline_stages": None, "microbatches": None, "pipeline_schedule": "1f1b"}
-        fsdp_only = {"fsdp_wrap": "auto", "fsdp_reshard_after_forward": None}
+        fsdp_only = {"fsdp_wrap": "auto", "fsdp_reshard_after_forward": None, "fsdp_blocks_per_unit": None}
         for names, owner in ((pipeline_only, "pipeline"), (fsdp_only, "fsdp")):
             for name, default in names.items():
                 if getattr(self, name) != default and strategy not in (owner, "auto"):

@@ -227,6 +227,9 @@ class FsdpStrategy(DcpStrategy):
         reshard = opts.fsdp_reshard_after_forward
         if reshard is None:
             reshard = planned.get("reshard_after_forward", True)
+        blocks = opts.fsdp_blocks_per_unit
+        if blocks is None:  # the plan groups blocks only for the units it priced: wrap="auto"'s
+            blocks = planned.get("blocks_per_unit", 1) if opts.fsdp_wrap == "auto" else 1
         # a factory is built on the meta device and only this rank's shards are materialised (with the values
         # the eagerly built model seeded with ``seed`` holds): no rank holds the whole model
         self.model = self.train_model = fully_shard_model(
@@ -236,12 +239,14 @@ class FsdpStrategy(DcpStrategy):
             reshard_after_forward=reshard,
             device=device,
             seed=opts.seed,
+            blocks_per_unit=blocks,
         )
         self.optimizer = build_optimizer(job.optimizer, self.model)  # a plain optimizer over the DTensor shards
-        self.reshard = reshard
+        self.reshard, self.blocks_per_unit = reshard, blocks
 
     def describe(self) -> str:
-        return f"fsdp (reshard after forward: {self.reshard})"
+        grouped = f", {self.blocks_per_unit} blocks a unit" if self.blocks_per_unit > 1 else ""
+        return f"fsdp (reshard after forward: {self.reshard}{grouped})"
 
     def no_sync(self, last_micro: bool):
         self.model.set_requires_gradient_sync(last_micro)  # accumulate unreduced until the group's last

@@ -28,6 +28,16 @@ def test_auto_picks_repeated_blocks_and_the_root_last():
     assert select_units(nn.Linear(4, 4), "auto") == [""]  # nothing repeats: one unit
 
 
+def test_blocks_group_with_their_siblings_only():
+    from fastpar.costmodel.fsdp_units import group_units
+
+    units = ["enc.0", "enc.1", "enc.2", "dec.0", "dec.1", "dec.2", "dec.3"]
+    assert group_units(units, 1) == [[u] for u in units]
+    assert group_units(units, 2) == [["enc.0", "enc.1"], ["enc.2"], ["dec.0", "dec.1"], ["dec.2", "dec.3"]]
+    assert group_units(units, 8) == [units[:3], units[3:]]  # never across two containers
+    assert group_units(["0", "1", "2"], 2) == [["0", "1"], ["2"]]  # blocks of the root itself
+
+
 def test_classes_names_sizes_and_callables_pick_units():
     model = TinyTransformer()
     assert select_units(model, [Block]) == select_units(model, "Block") == ["layers.0", "layers.1", "layers.2", ""]
@@ -107,6 +117,8 @@ def one_rank_group(no_process_group):
         ({"reshard_after_forward": 3}, ValueError, "divides the group's 1"),
         ({"reshard_after_forward": "yes"}, ValueError, "give True, False"),
         ({"prefetch": -1}, ValueError, "units to all-gather ahead"),
+        ({"blocks_per_unit": 0}, ValueError, "number of blocks a unit holds"),
+        ({"blocks_per_unit": True}, ValueError, "number of blocks a unit holds"),
         ({"mixed_precision": "fp16"}, ValueError, "on CPU"),
         ({"wrap": "Attention"}, WrapError, "no module of class"),
     ],

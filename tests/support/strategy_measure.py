@@ -69,7 +69,9 @@ class _Engine:
             extra = {"shard_gradients": True} if strategy == "zero2" else {}
             self.opt = fastpar.ShardedOptimizer(self.model, torch.optim.AdamW, **extra, **adamw)
         elif strategy == "fsdp":
-            self.model = _fully_shard(module, options.get("reshard_after_forward", True))
+            self.model = _fully_shard(
+                module, options.get("reshard_after_forward", True), options.get("blocks_per_unit", 1)
+            )
             self.opt = torch.optim.AdamW(self.model.parameters(), **adamw)
         elif strategy == "pipeline":
             self.pipeline = _pipeline(module, options, rank, world, self.loss, config_batch)
@@ -114,7 +116,7 @@ class _Engine:
         }
 
 
-def _fully_shard(module: nn.Module, reshard: bool) -> nn.Module:
+def _fully_shard(module: nn.Module, reshard: bool, blocks_per_unit: int = 1) -> nn.Module:
     """fastpar's FSDP2 entry point where it exists, else torch's ``fully_shard`` by hand on the same units."""
     try:
         from fastpar.shard import fully_shard_model
@@ -125,7 +127,7 @@ def _fully_shard(module: nn.Module, reshard: bool) -> nn.Module:
             if repeated and any(True for _ in layer.parameters()):
                 fully_shard(layer, reshard_after_forward=reshard)
         return fully_shard(module)
-    return fully_shard_model(module, wrap="auto", reshard_after_forward=reshard)
+    return fully_shard_model(module, wrap="auto", reshard_after_forward=reshard, blocks_per_unit=blocks_per_unit)
 
 
 class _TorchPipeline:

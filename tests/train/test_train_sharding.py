@@ -93,6 +93,8 @@ def test_bad_sharding_options_are_refused_naming_the_option():
         (dict(sharding="ddp", pipeline_stages=2), "pipeline_stages"),
         (dict(sharding="zero1", fsdp_wrap="blocks"), "fsdp_wrap"),
         (dict(sharding="fsdp", fsdp_wrap="layers"), "fsdp_wrap"),
+        (dict(sharding="fsdp", fsdp_blocks_per_unit=0), "fsdp_blocks_per_unit"),
+        (dict(sharding="zero1", fsdp_blocks_per_unit=2), "fsdp_blocks_per_unit"),
         (dict(sharding="pipeline", pipeline_schedule="zigzag"), "pipeline_schedule"),
         (dict(sharding="pipeline", grad_accum_steps=2), "grad_accum_steps"),
         (dict(sharding="pipeline", microbatches=0), "microbatches"),
@@ -244,6 +246,16 @@ def test_checkpoint_of_another_model_is_refused_before_the_first_step(two_and_th
     assert not (tmp_path / "out" / "metrics.jsonl").exists()  # refused in the launching process: nothing ran
     with pytest.raises(sharded.IncompatibleCheckpointError, match="sharding='zero1', this run uses sharding='fsdp'"):
         fit(tmp_path, sharding="fsdp", checkpoint_dir=str(tmp_path / "ck"), resume=True)
+
+
+@pytest.mark.slow
+def test_fsdp_blocks_grouped_into_units_train_as_one_block_a_unit(tmp_path):
+    """fsdp_blocks_per_unit=2 wraps make_blocks' four Linear layers as two FSDP2 units: the same run, bit for bit,
+    as one layer a unit (gloo, 2 processes: a sum of two is order-free)."""
+    grouped = fit(tmp_path / "grouped", sharding="fsdp", fsdp_blocks_per_unit=2, max_epochs=1)
+    single = fit(tmp_path / "single", sharding="fsdp", fsdp_blocks_per_unit=1, max_epochs=1)
+    assert losses(grouped) == losses(single) and grouped.steps == single.steps == 6
+    assert_same_parameters(grouped.model, single.model)
 
 
 # --- sharding="auto" and memory_budget -------------------------------------------------------------------

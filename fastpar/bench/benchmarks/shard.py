@@ -12,6 +12,7 @@ the same ranks (suffix ``_gloo``):
   zero2          + ShardedOptimizer(shard_gradients=True) (gradients / N too)
   fsdp_reshard   fastpar.fully_shard_model (torch FSDP2), parameters resharded after forward
   fsdp_keep      the same, parameters kept gathered between forward and backward
+                 (both with the plan's units: the blocks a unit its estimate groups)
   pipeline       fastpar.shard.pipeline_model: one stage per rank, 1F1B over ``--microbatches``; it takes the
                  ranks' batches together (the same global batch as the data-parallel variants)
 
@@ -90,7 +91,9 @@ def _state_tensors(optimizer: torch.optim.Optimizer):
 class Trainee:
     """One variant: its model, optimizer, step and the bytes it holds."""
 
-    def __init__(self, strategy: str, settings: ShardSettings, group, device: torch.device) -> None:
+    def __init__(
+        self, strategy: str, settings: ShardSettings, group, device: torch.device, blocks_per_unit: int = 1
+    ) -> None:
         from ...ddp import DistributedDataParallel
         from ...shard import fully_shard_model, pipeline_model
         from ...zero import ShardedOptimizer
@@ -109,7 +112,9 @@ class Trainee:
                 )
                 self.optimizer = self.sharded
         elif strategy.startswith("fsdp"):
-            self.model = fully_shard_model(module, group=group, reshard_after_forward=strategy == "fsdp_reshard")
+            self.model = fully_shard_model(
+                module, group=group, reshard_after_forward=strategy == "fsdp_reshard", blocks_per_unit=blocks_per_unit
+            )
             self.optimizer = _adamw(self.model.parameters())
         else:
             world = group.size() if group is not None else dist.get_world_size()
@@ -213,16 +218,28 @@ def _estimate(plan, strategy: str):
     return min(rows, key=lambda e: e.step_s) if rows else None
 
 
+def _blocks_per_unit(plan, strategy: str) -> int:
+    estimate = _estimate(plan, strategy) if strategy.startswith("fsdp") else None
+    return estimate.options.get("blocks_per_unit", 1) if estimate is not None else 1
+
+
 def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: ShardSettings) -> BenchReport | None:
     device = launch.rank_device(ctx.backend)
     wires = {"": None}
     gloo = launch.gloo_peer(ctx.backend)
     if gloo is not None:
         wires["_gloo"] = gloo
+    backends = {s: dist.get_backend(g) for s, g in wires.items()}
+    plans = settings.plans
+    if plans is None:  # an outside launcher's ranks: rank 0 plans before anything is built, the others wait
+        box = [_plans(settings, world_size, backends) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=gloo)
+        plans = box[0]
     trainees = {"no_comm": Trainee("no_comm", settings, None, device)}
     for suffix, group in wires.items():
         for strategy in STRATEGIES:
-            trainees[strategy + suffix] = Trainee(strategy, settings, group, device)
+            units = _blocks_per_unit(plans[suffix], strategy)  # FSDP2 with the plan's units for that wire
+            trainees[strategy + suffix] = Trainee(strategy, settings, group, device, units)
     gen = torch.Generator().manual_seed(1)
     everyone = torch.randn(settings.batch * world_size, settings.width, generator=gen).to(device)
     x = everyone.narrow(0, rank * settings.batch, settings.batch)
@@ -237,7 +254,6 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: ShardSet
     del trainees
     if rank != 0:
         return None
-    plans = settings.plans or _plans(settings, world_size, {s: dist.get_backend(g) for s, g in wires.items()})
     return _report(ctx, settings, world_size, seconds, memory, plans, list(wires))
 
 
@@ -350,6 +366,12 @@ def _report(ctx, settings, world_size, seconds, memory, plans, suffixes) -> Benc
             "no_comm": f"{floor * 1e3:.2f} ms (the floor)",
             **{
                 f"plan ({_wire(ctx, suffix)})": f"pick {p.choice} {p.choice_options or ''}; {p.measurement}"
+                for suffix, p in plans.items()
+            },
+            **{
+                f"fsdp units ({_wire(ctx, suffix)})": "; ".join(
+                    f"{v}: {_blocks_per_unit(p, v)} block(s) a unit" for v in ("fsdp_reshard", "fsdp_keep")
+                )
                 for suffix, p in plans.items()
             },
             "state": "parameters + gradients + optimizer state on the largest rank after a step (storages once)",
