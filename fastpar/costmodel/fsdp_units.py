@@ -5,6 +5,13 @@ units' sizes: the rules ``fastpar.shard.select_units`` applies and the memory pl
 instances of one class with parameters (a transformer's layers, an MLP's Linear stack, also inside a module
 with its own ``forward`` such as ``nn.Transformer``), without descending into a block once it is a unit. The
 root owns every parameter no unit claims.
+
+``blocks_per_unit`` groups consecutive blocks of one container into one unit (FSDP2's ``fully_shard([a, b])``):
+one all-gather and one reduce-scatter for the group. Each unit costs a fixed time whatever its size (hooks,
+messages, waits for the peers), so on CPU ranks, where that cost is milliseconds, fewer units are faster -- up to
+:data:`CPU_UNIT_BYTES`: glibc serves larger blocks from fresh mappings, so a larger unit's gather buffer and
+gradient are page-faulted in again at every step. The planner prices the groupings within that cap that leave at
+least two units, and keeps the fastest.
 """
 
 from __future__ import annotations
