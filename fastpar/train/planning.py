@@ -41,27 +41,19 @@ def plan_sharding(
     rank: int,
     world_size: int,
     device: torch.device,
-    activation_checkpointing: bool | None = None,
-    fsdp_blocks_per_unit: int | None = None,
+    **planner: Any,
 ) -> tuple[str, dict[str, Any]]:
     """Collective: ``(strategy, its options)`` every rank agrees on; ``module``, ``optimizer`` and ``example_batch``
     (a batch on the device; ``objective``: the run's :class:`~fastpar.train.batches.Objective`) are needed on
-    rank 0 only. ``strategy``: the one asked for ("auto": the planner's choice). ``activation_checkpointing``: the
-    planner's (None: priced with and without; an answer with ``{"activation_checkpointing": True}`` in its options
-    fits only so). ``fsdp_blocks_per_unit``: the planner's (None: it prices groupings of blocks). Raises OptionError on every rank when it can't fit the memory."""
+    rank 0 only. ``strategy``: the one asked for ("auto": the planner's choice). ``planner``: the planner's own
+    keywords (:func:`~fastpar.costmodel.memory_planner.plan`): ``activation_checkpointing`` (None: priced with and
+    without; an answer with ``{"activation_checkpointing": True}`` in its options fits only so) and
+    ``fsdp_blocks_per_unit`` (None: it prices groupings of blocks). Raises OptionError on every rank when it can't
+    fit the memory."""
     answer: list[Any] = [None]
     if rank == 0:
         answer[0] = _plan_on_rank0(
-            module,
-            optimizer,
-            objective,
-            example_batch,
-            strategy,
-            budget,
-            world_size,
-            device,
-            activation_checkpointing,
-            fsdp_blocks_per_unit,
+            module, optimizer, objective, example_batch, strategy, budget, world_size, device, planner
         )
     if world_size > 1:
         dist.broadcast_object_list(answer, src=0)
@@ -72,16 +64,7 @@ def plan_sharding(
 
 
 def _plan_on_rank0(
-    module,
-    optimizer,
-    objective,
-    example_batch,
-    strategy,
-    budget,
-    world_size,
-    device,
-    activation_checkpointing,
-    fsdp_blocks_per_unit,
+    module, optimizer, objective, example_batch, strategy, budget, world_size, device, planner
 ) -> tuple[str, Any]:
     from ..costmodel.memory_planner import STRATEGIES, plan_for_module
 
@@ -97,8 +80,7 @@ def _plan_on_rank0(
             optimizer=optimizer_kind(optimizer),
             device=device.type,
             backend=_cpu_backend(device),
-            activation_checkpointing=activation_checkpointing,
-            fsdp_blocks_per_unit=fsdp_blocks_per_unit,
+            **planner,
             # a pipeline's last stage computes loss_fn(outputs, targets): not a choice for the other loss forms
             strategies=STRATEGIES if objective.takes_pairs else [s for s in STRATEGIES if s != "pipeline"],
         )
