@@ -20,6 +20,7 @@ from torch import nn
 
 __all__ = [
     "CPU_UNIT_BYTES",
+    "check_blocks_per_unit",
     "group_units",
     "innermost_unit",
     "place_shared_parameters",
@@ -86,12 +87,17 @@ def unit_numels(model: nn.Module, blocks_per_unit: int = 1) -> tuple[int, list[i
     return root, [sum(size[name] for name in group) for group in group_units(names, blocks_per_unit)]
 
 
+def check_blocks_per_unit(blocks_per_unit: object) -> None:
+    """Raise ``ValueError`` unless ``blocks_per_unit`` is a count of blocks (an int, 1 or more)."""
+    if not isinstance(blocks_per_unit, int) or isinstance(blocks_per_unit, bool) or blocks_per_unit < 1:
+        raise ValueError(f"blocks_per_unit={blocks_per_unit!r}: give the number of blocks a unit holds (1 or more)")
+
+
 def group_units(units: list[str], blocks_per_unit: int) -> list[list[str]]:
     """``units`` (not the root) in groups of up to ``blocks_per_unit`` consecutive siblings: units of one parent
     module, next to each other in ``units``. A group never spans two containers (an encoder's last layer and a
     decoder's first run at different times)."""
-    if not isinstance(blocks_per_unit, int) or isinstance(blocks_per_unit, bool) or blocks_per_unit < 1:
-        raise ValueError(f"blocks_per_unit={blocks_per_unit!r}: give the number of blocks a unit holds (1 or more)")
+    check_blocks_per_unit(blocks_per_unit)
     groups: list[list[str]] = []
     for name in units:
         parent = name.rpartition(".")[0]

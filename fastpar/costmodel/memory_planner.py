@@ -31,7 +31,7 @@ import torch
 
 from ..user_errors import UserError
 from .bucket_caps import bucket_caps
-from .fsdp_units import CPU_UNIT_BYTES, group_units
+from .fsdp_units import CPU_UNIT_BYTES, check_blocks_per_unit, group_units
 from .model_probe import ProbeResult, probe
 from .model_spec import Layer, ModelSpec
 from .pipeline_split import SCHEDULES, pipeline_options, stage_internals
@@ -106,10 +106,11 @@ def plan(
     :data:`~fastpar.costmodel.fsdp_units.CPU_UNIT_BYTES` a unit is priced for units kept gathered after forward
     and the fastest that fits kept (``choice_options["blocks_per_unit"]``); on GPUs one block a unit."""
     _check(devices, batch_size, param_dtype, reduce_dtype, optimizer, strategies, headroom)
-    if fsdp_blocks_per_unit is not None and (
-        not isinstance(fsdp_blocks_per_unit, int) or isinstance(fsdp_blocks_per_unit, bool) or fsdp_blocks_per_unit < 1
-    ):
-        raise UserError(f"fsdp_blocks_per_unit must be an integer >= 1 or None, got {fsdp_blocks_per_unit!r}")
+    if fsdp_blocks_per_unit is not None:
+        try:
+            check_blocks_per_unit(fsdp_blocks_per_unit)
+        except ValueError as exc:
+            raise UserError(f"fsdp_{exc}, or None") from None
     memory = _device_memory(device_memory)
     usable = int(memory * (1 - headroom))
     seq_len = seq_len if seq_len is not None else spec.seq_len

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..costmodel.fsdp_units import group_units
+from ..costmodel.fsdp_units import check_blocks_per_unit, group_units
 from ..tensor_storage import storage_bytes
 from .meta_init import InitFn, build_on_meta, materialize_shards
 from .precision import PrecisionSpec, precision_policy
@@ -95,7 +95,7 @@ def fully_shard_model(
     _check_reshard(reshard_after_forward, dist.get_world_size(group))
     if prefetch is not None and (not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0):
         raise ValueError(f"prefetch={prefetch!r}: give the number of units to all-gather ahead (0 or more), or None")
-    group_units([], blocks_per_unit)  # raises for a blocks_per_unit that is not a count, before anything is built
+    check_blocks_per_unit(blocks_per_unit)
 
     on_meta = not isinstance(model_or_builder, nn.Module)
     if on_meta:

@@ -227,9 +227,8 @@ class FsdpStrategy(DcpStrategy):
         reshard = opts.fsdp_reshard_after_forward
         if reshard is None:
             reshard = planned.get("reshard_after_forward", True)
-        blocks = opts.fsdp_blocks_per_unit
-        if blocks is None:  # the plan groups blocks only for the units it priced: wrap="auto"'s
-            blocks = planned.get("blocks_per_unit", 1) if opts.fsdp_wrap == "auto" else 1
+        # the plan's grouping (it groups only wrap="auto"'s blocks: loop.py plans other units one block a unit)
+        blocks = opts.fsdp_blocks_per_unit or planned.get("blocks_per_unit", 1)
         # a factory is built on the meta device and only this rank's shards are materialised (with the values
         # the eagerly built model seeded with ``seed`` holds): no rank holds the whole model
         self.model = self.train_model = fully_shard_model(
