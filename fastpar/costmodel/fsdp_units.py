@@ -80,11 +80,10 @@ def unit_layout(model: nn.Module) -> tuple[list[str], list[int], int]:
     return names, units, root
 
 
-def unit_numels(model: nn.Module, blocks_per_unit: int = 1) -> tuple[int, list[int]]:
-    """(the root unit's own elements, each unit's) under ``wrap="auto"`` with ``blocks_per_unit`` blocks a unit."""
-    names, sizes, root = unit_layout(model)
-    size = dict(zip(names, sizes, strict=True))
-    return root, [sum(size[name] for name in group) for group in group_units(names, blocks_per_unit)]
+def unit_numels(model: nn.Module) -> tuple[int, list[int]]:
+    """(the root unit's own elements, each unit's) under ``wrap="auto"``: :func:`unit_layout` without the names."""
+    _, sizes, root = unit_layout(model)
+    return root, sizes
 
 
 def check_blocks_per_unit(blocks_per_unit: object) -> None:

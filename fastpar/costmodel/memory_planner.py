@@ -162,7 +162,6 @@ def plan(
     context = _Context(layers, measured, sizes, devices, optimizer, comm, costs, opt_s, caps, on_gpu, seq_len, usable)
     context.p2p_comm = p2p_comm
     if "fsdp" in strategies:
-        context.units = spec.fsdp_units()
         context.fsdp_groupings = _fsdp_groupings(
             spec, layers, max(sizes.param, sizes.reduce), on_gpu, fsdp_blocks_per_unit
         )
@@ -248,7 +247,6 @@ class _Context:
     on_gpu: bool
     seq_len: int | None
     usable: int
-    units: tuple[int, list[int]] | None = None  # FSDP2's root and units under wrap="auto" (fsdp_units.py)
     # blocks_per_unit -> (the root's and each unit's elements, each unit's span of layers or None) priced for FSDP2
     fsdp_groupings: dict[int, tuple[tuple[int, list[int]], list[tuple[int, int]] | None]] | None = None
     # the blocks activation checkpointing (blocks="auto") would wrap, each as the (first, last) of its probed layers
@@ -274,8 +272,6 @@ class _Context:
         if strategy == "fsdp" and self.fsdp_groupings is not None:
             units, spans = self.fsdp_groupings[options.get("blocks_per_unit", 1)]
             full = full | {"units": units} | ({"unit_spans": spans} if spans else {})
-        elif strategy == "fsdp" and self.units is not None:
-            full = full | {"units": self.units}
         if strategy == "fsdp":
             full = full | {"point_to_point": self.fsdp_point_to_point}
         if strategy in ("zero1", "zero2", "pipeline") and self.p2p_comm is not None:

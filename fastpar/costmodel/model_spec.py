@@ -214,11 +214,6 @@ class ModelSpec:
             self._layers = _layer_records(self.build("meta"))
         return self._layers
 
-    def fsdp_units(self) -> tuple[int, list[int]]:
-        """(the root unit's own elements, each unit's) as ``fully_shard_model(wrap="auto")`` wraps the model."""
-        _, sizes, root = self.fsdp_unit_layout()
-        return root, sizes
-
     def fsdp_unit_layout(self) -> tuple[list[str], list[int], int]:
         """(each unit's name, its elements, the root's own elements) under ``fully_shard_model(wrap="auto")``."""
         if self._units is None:
