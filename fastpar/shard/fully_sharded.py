@@ -73,9 +73,8 @@ def fully_shard_model(
       ``fastpar.plan`` prices the groupings and ``TrainingOptions(sharding="auto")`` uses the fastest that fits.
 
     The order the units run in is recorded at the first forward (``model._fastpar_unit_order``, a grouped unit named
-    by its blocks joined with ``+``): where it is not
-    the registration order (an encoder-decoder registered decoder first, a ``ModuleDict``), the prefetch lists
-    and the unit kept after forward follow it from then on. A unit that runs twice or not at all in that forward
+    by its blocks joined with ``+``): where it is not the registration order (an encoder-decoder registered
+    decoder first, a ``ModuleDict``), the prefetch lists and the unit kept after forward follow it from then on. A unit that runs twice or not at all in that forward
     leaves the registration order in place.
 
     On gloo, parameters are all-gathered and gradients reduce-scattered by point-to-point exchanges

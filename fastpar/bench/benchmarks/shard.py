@@ -229,9 +229,9 @@ def _rank_main(rank: int, world_size: int, ctx: BenchContext, settings: ShardSet
     gloo = launch.gloo_peer(ctx.backend)
     if gloo is not None:
         wires["_gloo"] = gloo
-    backends = {s: dist.get_backend(g) for s, g in wires.items()}
     plans = settings.plans
     if plans is None:  # an outside launcher's ranks: rank 0 plans before anything is built, the others wait
+        backends = {s: dist.get_backend(g) for s, g in wires.items()}
         box = [_plans(settings, world_size, backends) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=gloo)
         plans = box[0]
